@@ -1,0 +1,38 @@
+#!/usr/bin/env python3
+"""Execute notebooks in place so their committed outputs show what the code really does.
+
+The outputs are documentation (`nbdev_clean` keeps them); tests never read them. Cells that
+`nbdev_test` would skip (the `tst_flags` of settings.ini) are skipped here too, so a CPU machine
+refreshes everything except the `#| cuda` and `#| slow` cells. Usage:
+`python scripts/run_notebooks.py [nbs/03_pages.ipynb ...]` (default: every notebook).
+"""
+import os, sys
+from pathlib import Path
+from execnb.nbio import read_nb, write_nb
+from execnb.shell import CaptureShell
+from nbdev.config import get_config
+from nbdev.process import NBProcessor, extract_directives
+
+def _skip(flags):
+    def skip(cell):
+        if cell.cell_type != 'code': return True
+        if 'nbdev_export(' in cell.source: return True
+        d = extract_directives(cell, remove=False)
+        if d.get('eval:', [''])[0].lower() == 'false': return True
+        return bool(flags & d.keys())
+    return skip
+
+def main(paths):
+    cfg = get_config()
+    flags = set(cfg.tst_flags.split())
+    os.environ['IN_TEST'] = '1'
+    paths = [Path(p).resolve() for p in paths] or sorted(cfg.config_path.joinpath(cfg.nbs_path).glob('[0-9a-z]*.ipynb'))
+    for p in paths:
+        nb = read_nb(p)
+        cwd = os.getcwd(); os.chdir(p.parent)
+        try: CaptureShell(p).run_all(nb, exc_stop=True, preproc=_skip(flags))
+        finally: os.chdir(cwd)
+        write_nb(nb, p)
+        print('executed', p.name)
+
+if __name__ == '__main__': main(sys.argv[1:])
