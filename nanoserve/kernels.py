@@ -4,16 +4,30 @@
 
 # %% ../nbs/06_kernels.ipynb #ebb437c1
 from __future__ import annotations
-import math, os
+import math, os, sys, warnings
 import torch
-if not torch.cuda.is_available(): os.environ.setdefault('TRITON_INTERPRET', '1')
+if not torch.cuda.is_available() and 'TRITON_INTERPRET' not in os.environ:
+    if 'triton' in sys.modules:  # NOTE: too late: Triton's library functions were built for a GPU at `import triton`
+        warnings.warn('triton was imported before nanoserve.kernels without TRITON_INTERPRET=1: '
+                      'the Triton kernels cannot run on this CPU (the torch references can)')
+    os.environ['TRITON_INTERPRET'] = '1'
 import triton
 import triton.language as tl
 
 # %% auto #0
-__all__ = ['rms_norm_ref', 'rope_inv_freq', 'rope_cos_sin_cache', 'rope_ref', 'silu_and_mul_ref']
+__all__ = ['INTERPRET', 'DECODE_BLOCK_N', 'rms_norm_ref', 'rms_norm', 'rope_inv_freq', 'rope_cos_sin_cache', 'rope_ref', 'rope',
+           'silu_and_mul_ref', 'silu_and_mul', 'random_page_table', 'store_kv_ref', 'store_kv', 'decode_attention_ref',
+           'extend_attention_ref', 'decode_num_splits', 'decode_attention', 'extend_attention',
+           'bench_decode_attention']
 
 # %% ../nbs/06_kernels.ipynb #b626afdf
+INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'   # kernels run in the Triton interpreter (no GPU)
+_ELEMENTS = 1 << 16 if INTERPRET else 1 << 12             # elements one program of an element-wise kernel handles
+_LOG2E = 1.4426950408889634                               # exp(x) = exp2(x * log2(e))
+
+def _rows_per_program(block_cols: int) -> int: return max(1, _ELEMENTS // block_cols)
+
+# %% ../nbs/06_kernels.ipynb #cc2fe789
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     "RMSNorm over the last dim; with `residual`, normalise `x + residual` and also return that sum."
@@ -22,7 +36,41 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
     return out if residual is None else (out, residual)
 
-# %% ../nbs/06_kernels.ipynb #fb87639d
+# %% ../nbs/06_kernels.ipynb #0360c2b5
+@triton.jit
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, n_rows, n_cols, eps,
+                     stride_x, stride_r, stride_o, stride_s,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        total = (x + r).to(sum_ptr.dtype.element_ty)     # rounded like the reference's residual stream
+        tl.store(sum_ptr + rows[:, None] * stride_s + cols[None, :], total, mask=mask)
+        x = total.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, 1) / n_cols + eps)
+    w = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    out = x * inv_rms[:, None] * w[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    "Triton `rms_norm_ref`: RMSNorm over the last dim, with the residual add fused in."
+    shape, n_cols = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, n_cols).contiguous()
+    r2 = residual.reshape(-1, n_cols).contiguous() if residual is not None else x2
+    out, total = torch.empty_like(x2), (torch.empty_like(x2) if residual is not None else x2)
+    block_c = triton.next_power_of_2(n_cols)
+    block_r = min(_rows_per_program(block_c), triton.next_power_of_2(max(x2.shape[0], 1)))
+    if x2.shape[0]:
+        _rms_norm_kernel[(triton.cdiv(x2.shape[0], block_r),)](
+            x2, r2, weight, out, total, x2.shape[0], n_cols, eps, x2.stride(0), r2.stride(0), out.stride(0), total.stride(0),
+            HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_C=block_c)
+    return out.view(shape) if residual is None else (out.view(shape), total.view(shape))
+
+# %% ../nbs/06_kernels.ipynb #3a21c0bd
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     "The `head_dim // 2` rotary frequencies, with `linear` or `llama3` scaling applied."
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
@@ -48,8 +96,341 @@ def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin:
         x.copy_(rotated.to(x.dtype))
     return q, k
 
-# %% ../nbs/06_kernels.ipynb #0360c2b5
+# %% ../nbs/06_kernels.ipynb #47377123
+@triton.jit
+def _rope_heads(x_ptr, tokens, token_mask, pos, cos_sin_ptr, stride_cs, stride_t, stride_h, num_heads,
+                HALF: tl.constexpr, BLOCK_C: tl.constexpr):
+    c = tl.arange(0, BLOCK_C)
+    i = c % HALF
+    mask = token_mask[:, None] & (c < num_heads * HALF)[None, :]
+    cs = cos_sin_ptr + pos[:, None] * stride_cs + i[None, :]
+    cos = tl.load(cs, mask=mask, other=0.0)
+    sin = tl.load(cs + HALF, mask=mask, other=0.0)
+    first = x_ptr + tokens[:, None] * stride_t + (c // HALF)[None, :] * stride_h + i[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(first + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+
+@triton.jit
+def _rope_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr, n_tokens, num_q_heads, num_k_heads,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
+                 HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_QC: tl.constexpr, BLOCK_KC: tl.constexpr):
+    tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    token_mask = tokens < n_tokens
+    pos = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
+    _rope_heads(q_ptr, tokens, token_mask, pos, cos_sin_ptr, stride_cs, stride_qt, stride_qh, num_q_heads, HALF, BLOCK_QC)
+    _rope_heads(k_ptr, tokens, token_mask, pos, cos_sin_ptr, stride_cs, stride_kt, stride_kh, num_k_heads, HALF, BLOCK_KC)
+
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "Triton `rope_ref`: rotate `q` `[T, H, D]` and `k` `[T, KVH, D]` by `positions` in place; returns them."
+    (T, H, D), KVH = q.shape, k.shape[1]
+    assert q.stride(-1) == k.stride(-1) == 1 and cos_sin.dtype == torch.float32 and cos_sin.shape[-1] == D and D % 2 == 0
+    cos_sin = cos_sin.contiguous()
+    block_qc, block_kc = triton.next_power_of_2(H * D // 2), triton.next_power_of_2(KVH * D // 2)
+    block_t = min(_rows_per_program(block_qc), triton.next_power_of_2(max(T, 1)))
+    if T:
+        _rope_kernel[(triton.cdiv(T, block_t),)](
+            q, k, positions, cos_sin, T, H, KVH, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
+            HALF=D // 2, BLOCK_T=block_t, BLOCK_QC=block_qc, BLOCK_KC=block_kc)
+    return q, k
+
+# %% ../nbs/06_kernels.ipynb #094186b5
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     "`silu(x[..., :I]) * x[..., I:]` for `x` of last dim `2I`."
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate.float()).to(x.dtype) * up
+
+# %% ../nbs/06_kernels.ipynb #348def6c
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_rows, n_cols, stride_x, stride_o, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    gate_ptr = x_ptr + rows[:, None] * stride_x + cols[None, :]
+    gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptr + n_cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    "Triton `silu_and_mul_ref`: `silu(x[..., :I]) * x[..., I:]`."
+    n_cols = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * n_cols).contiguous()
+    out = torch.empty(x2.shape[0], n_cols, dtype=x.dtype, device=x.device)
+    block_c = min(triton.next_power_of_2(n_cols), _ELEMENTS)
+    block_r = min(_rows_per_program(block_c), triton.next_power_of_2(max(x2.shape[0], 1)))
+    if x2.shape[0]:
+        _silu_and_mul_kernel[(triton.cdiv(x2.shape[0], block_r), triton.cdiv(n_cols, block_c))](
+            x2, out, x2.shape[0], n_cols, x2.stride(0), out.stride(0), BLOCK_R=block_r, BLOCK_C=block_c)
+    return out.view(*x.shape[:-1], n_cols)
+
+# %% ../nbs/06_kernels.ipynb #906d28dc
+def random_page_table(seq_lens: list[int], page_size: int, num_pages: int, max_len: int, seed: int = 0,
+                      device: str | torch.device = 'cpu') -> tuple[torch.Tensor, torch.Tensor]:
+    "For tests and benchmarks: `(page_table [B + 1, max_len] int32, table_idx [B] int32)`, requests on shuffled pages."
+    g = torch.Generator().manual_seed(seed)
+    num_slots = (num_pages + 1) * page_size      # the last page is the dummy page
+    table = torch.randint(0, num_slots, (len(seq_lens) + 1, max_len), generator=g, dtype=torch.int32)
+    pages = torch.randperm(num_pages, generator=g)
+    rows = torch.randperm(len(seq_lens) + 1, generator=g)[:len(seq_lens)]
+    used = 0
+    for row, n in zip(rows.tolist(), seq_lens):
+        assert n <= max_len and used + triton.cdiv(n, page_size) <= num_pages, 'pool too small'
+        j = torch.arange(n)
+        table[row, :n] = (pages[used:][j // page_size] * page_size + j % page_size).int()
+        used += triton.cdiv(n, page_size)
+    return table.to(device), rows.int().to(device)
+
+# %% ../nbs/06_kernels.ipynb #e9b7e141
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor) -> None:
+    "Write `k`, `v` `[T, KVH, D]` into slots `out_loc` `[T]` of the caches, skipping entries of -1 (padding)."
+    keep = out_loc >= 0
+    loc = out_loc[keep].long()
+    k_cache[loc] = k[keep].to(k_cache.dtype)
+    v_cache[loc] = v[keep].to(v_cache.dtype)
+
+# %% ../nbs/06_kernels.ipynb #cd021dd1
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_loc_ptr, n_tokens,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
+                     NUM_COLS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    loc = tl.load(out_loc_ptr + tokens, mask=tokens < n_tokens, other=-1).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    head, d = c // HEAD_DIM, c % HEAD_DIM
+    mask = (loc >= 0)[:, None] & (c < NUM_COLS)[None, :]
+    k = tl.load(k_ptr + tokens[:, None] * stride_kt + head[None, :] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(v_ptr + tokens[:, None] * stride_vt + head[None, :] * stride_vh + d[None, :], mask=mask)
+    tl.store(k_cache_ptr + loc[:, None] * stride_kc_s + head[None, :] * stride_kc_h + d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + loc[:, None] * stride_vc_s + head[None, :] * stride_vc_h + d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor) -> None:
+    "Triton `store_kv_ref`: write `k`, `v` into slots `out_loc` of the caches, in place, skipping -1."
+    T, KVH, D = k.shape
+    assert v.shape == k.shape and k.stride(-1) == v.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    assert k_cache.stride(2) == v_cache.stride(2) == 1 and out_loc.shape == (T,)
+    block_c = triton.next_power_of_2(KVH * D)
+    block_t = min(_rows_per_program(block_c), triton.next_power_of_2(max(T, 1)))
+    if T:
+        _store_kv_kernel[(triton.cdiv(T, block_t),)](
+            k, v, k_cache, v_cache, out_loc, T, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+            NUM_COLS=KVH * D, HEAD_DIM=D, BLOCK_T=block_t, BLOCK_C=block_c)
+
+# %% ../nbs/06_kernels.ipynb #8dfba35c
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                         table_idx: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
+    "Attention of one query per request `q` `[B, H, D]` over positions `[0, seq_len)` of its page-table row; `[B, H, D]`."
+    (B, H, D), KVH = q.shape, k_cache.shape[1]
+    L = int(seq_lens.max())
+    valid = torch.arange(L, device=q.device)[None] < seq_lens[:, None].long()          # [B, L]
+    locs = page_table[table_idx.long(), :L].long().where(valid, 0)
+    k, v = k_cache[locs].float(), v_cache[locs].float()                               # [B, L, KVH, D]
+    scores = torch.einsum('bkgd,blkd->bkgl', q.float().view(B, KVH, H // KVH, D), k) * scale
+    scores = scores.masked_fill(~valid[:, None, None], float('-inf'))
+    return torch.einsum('bkgl,blkd->bkgd', scores.softmax(-1), v).reshape(B, H, D).to(q.dtype)
+
+def extend_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         page_table: torch.Tensor, table_idx: torch.Tensor, prefix_lens: torch.Tensor,
+                         extend_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    "Causal attention of the new tokens `q` `[T, H, D]` over their prefix (through the page table) and themselves."
+    (T, H, D), KVH = q.shape, k.shape[1]
+    out, start = torch.empty_like(q), 0
+    for row, p, e in zip(table_idx.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
+        locs = page_table[row, :p].long()
+        keys = torch.cat([k_cache[locs].float(), k[start:start + e].float()])           # [p + e, KVH, D]
+        values = torch.cat([v_cache[locs].float(), v[start:start + e].float()])
+        scores = torch.einsum('tkgd,lkd->kgtl', q[start:start + e].float().view(e, KVH, H // KVH, D), keys) * scale
+        causal = torch.arange(p + e, device=q.device)[None] <= torch.arange(p, p + e, device=q.device)[:, None]
+        scores = scores.masked_fill(~causal, float('-inf'))
+        out[start:start + e] = torch.einsum('kgtl,lkd->tkgd', scores.softmax(-1), values).reshape(e, H, D).to(q.dtype)
+        start += e
+    return out
+
+# %% ../nbs/06_kernels.ipynb #eb0ae898
+@triton.jit
+def _attend_tile(q, k, v, mask, m, l, acc, qk_scale, PRECISION: tl.constexpr):
+    "Fold one tile of keys `k` and values `v` `[BLOCK_N, D]` into the running `(m, l, acc)` of query rows `q`."
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale     # [rows, BLOCK_N], base-2 logits
+    s = tl.where(mask, s, float('-inf'))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float('-inf'), 0.0, m_new)                # a row with nothing visible yet
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    return m_new, l, acc
+
+def _dot_precision(dtype: torch.dtype) -> str: return 'ieee' if dtype == torch.float32 else 'tf32'
+
+# %% ../nbs/06_kernels.ipynb #e8a75db8
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_idx_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+                         qk_scale, num_splits, stride_qb, stride_qh, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, stride_pt,
+                         stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    row = tl.load(table_idx_ptr + b).to(tl.int64)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N          # this request's positions per split
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
+    g, n, d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g                                                 # the query heads of this KV head
+    d_mask = (d < HEAD_DIM)[None, :]
+    hd_mask = (g < GROUP)[:, None] & d_mask
+    b64 = b.to(tl.int64)
+    q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=hd_mask, other=0.0).to(tl.float32)
+    m = tl.full([BLOCK_H], float('-inf'), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + n
+        n_mask = pos < hi
+        loc = tl.load(page_table_ptr + row * stride_pt + pos, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask
+        k = tl.load(k_cache_ptr + loc[:, None] * stride_kc_s + kv_head * stride_kc_h + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + loc[:, None] * stride_vc_s + kv_head * stride_vc_h + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        m, l, acc = _attend_tile(q, k, v, n_mask[None, :], m, l, acc, qk_scale, PRECISION)
+    l_safe = tl.maximum(l, 1e-30)                                               # an empty chunk has l = 0
+    lse = tl.where(l > 0, m + tl.log2(l_safe), float('-inf'))
+    tl.store(mid_o_ptr + b64 * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + d[None, :], acc / l_safe[:, None], mask=hd_mask)
+    tl.store(mid_lse_ptr + b64 * stride_ml_b + heads * stride_ml_h + split, lse, mask=g < GROUP)
+
+@triton.jit
+def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, num_heads, num_splits,
+                         stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ob, stride_oh,
+                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    s, d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
+    hs_mask = (h < num_heads)[:, None] & (s < num_splits)[None, :]
+    lse = tl.load(mid_lse_ptr + b * stride_ml_b + h[:, None] * stride_ml_h + s[None, :], mask=hs_mask, other=float('-inf'))
+    top = tl.max(lse, 1)
+    top = tl.where(top == float('-inf'), 0.0, top)                              # only for padded head rows
+    w = tl.exp2(lse - top[:, None])                                             # [BLOCK_H, BLOCK_S]
+    o = tl.load(mid_o_ptr + b * stride_mo_b + h[:, None, None] * stride_mo_h + s[None, :, None] * stride_mo_s + d[None, None, :],
+                mask=hs_mask[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)
+    out = tl.sum(w[:, :, None] * o, 1) / tl.maximum(tl.sum(w, 1), 1e-30)[:, None]
+    tl.store(out_ptr + b * stride_ob + h[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=(h < num_heads)[:, None] & (d < HEAD_DIM)[None, :])
+
+# %% ../nbs/06_kernels.ipynb #896cff1a
+DECODE_BLOCK_N = 64   # positions per K/V tile in decode attention
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int | None = None) -> int:
+    "Splits per request for `decode_attention`: fill the SMs ~4x over, no split under 4 tiles, at most 32; 2 off-GPU."
+    if num_sms is None: num_sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() and not INTERPRET else 0
+    if not num_sms: return 2
+    want = triton.cdiv(4 * num_sms, max(batch * num_kv_heads, 1))
+    return max(1, min(want, triton.cdiv(max_seq_len, 4 * DECODE_BLOCK_N), 32))
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                     table_idx: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
+    "Triton `decode_attention_ref`: split-K flash decoding over the paged cache, GQA heads grouped; `[B, H, D]`."
+    (B, H, D), KVH = q.shape, k_cache.shape[1]
+    assert H % KVH == 0 and k_cache.shape[2] == D and q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == page_table.stride(-1) == 1
+    out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+    if B == 0: return out
+    if num_splits is None: num_splits = decode_num_splits(B, KVH, int(seq_lens.max()))
+    mid_o = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    block_d = max(16, triton.next_power_of_2(D))
+    _decode_split_kernel[(B, KVH, num_splits)](
+        q, k_cache, v_cache, page_table, table_idx, seq_lens, mid_o, mid_lse, scale * _LOG2E, num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=H // KVH, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(H // KVH)), BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d,
+        PRECISION=_dot_precision(k_cache.dtype), num_warps=4)
+    heads_per_program = triton.next_power_of_2(H) if INTERPRET else 1
+    _decode_merge_kernel[(B, triton.cdiv(H, heads_per_program))](
+        mid_o, mid_lse, out, H, num_splits, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_H=heads_per_program, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
+    return out
+
+# %% ../nbs/06_kernels.ipynb #9b15b6e1
+@triton.jit
+def _extend_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, table_idx_ptr,
+                   prefix_lens_ptr, extend_lens_ptr, extend_start_ptr, qk_scale,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                   stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, stride_ot, stride_oh, stride_pt,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    b, kv_head, row_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    extend_len = tl.load(extend_lens_ptr + b).to(tl.int32)
+    row_start = row_block * BLOCK_M
+    if row_start >= extend_len * GROUP: return
+    prefix_len = tl.load(prefix_lens_ptr + b).to(tl.int32)
+    table_row = tl.load(table_idx_ptr + b).to(tl.int64)
+    first = tl.load(extend_start_ptr + b).to(tl.int64)                  # this request's first row of q, k, v
+    r, n, d = row_start + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+    token, head = r // GROUP, kv_head * GROUP + r % GROUP
+    d_mask = (d < HEAD_DIM)[None, :]
+    q_mask = (token < extend_len)[:, None] & d_mask
+    q_rows = (first + token)[:, None]
+    q = tl.load(q_ptr + q_rows * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    m = tl.full([BLOCK_M], float('-inf'), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(0, prefix_len, BLOCK_N):                         # 1. the prefix, through the page table
+        pos = start + n
+        n_mask = pos < prefix_len
+        loc = tl.load(page_table_ptr + table_row * stride_pt + pos, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask
+        k = tl.load(k_cache_ptr + loc[:, None] * stride_kc_s + kv_head * stride_kc_h + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + loc[:, None] * stride_vc_s + kv_head * stride_vc_h + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        m, l, acc = _attend_tile(q, k, v, n_mask[None, :], m, l, acc, qk_scale, PRECISION)
+    last_token = tl.minimum(extend_len, (row_start + BLOCK_M - 1) // GROUP + 1)
+    for start in range(0, last_token, BLOCK_N):                         # 2. the new tokens, causally
+        j = start + n
+        kv_rows = (first + j)[:, None]
+        kv_mask = (j < extend_len)[:, None] & d_mask
+        k = tl.load(k_ptr + kv_rows * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + kv_rows * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        causal = (j[None, :] <= token[:, None]) & (j < extend_len)[None, :]
+        m, l, acc = _attend_tile(q, k, v, causal, m, l, acc, qk_scale, PRECISION)
+    out = acc / tl.maximum(l, 1e-30)[:, None]
+    tl.store(out_ptr + q_rows * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     page_table: torch.Tensor, table_idx: torch.Tensor, prefix_lens: torch.Tensor,
+                     extend_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    "Triton `extend_attention_ref`: flash attention of the new tokens over their paged prefix and themselves; `[T, H, D]`."
+    (T, H, D), KVH = q.shape, k.shape[1]
+    assert H % KVH == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == page_table.stride(-1) == 1
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    if T == 0: return out
+    group = H // KVH
+    extend_start = torch.cumsum(extend_lens, 0) - extend_lens
+    block_m, block_n, num_warps = (64, 64, 4) if INTERPRET else (64, 32, 8)
+    grid = (extend_lens.shape[0], KVH, triton.cdiv(int(extend_lens.max()) * group, block_m))
+    _extend_kernel[grid](
+        q, k, v, k_cache, v_cache, out, page_table, table_idx, prefix_lens, extend_lens, extend_start, scale * _LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0),
+        GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        PRECISION=_dot_precision(k_cache.dtype), num_warps=num_warps)
+    return out
+
+# %% ../nbs/06_kernels.ipynb #5fb471e5
+def bench_decode_attention(batch: int = 64, context: int = 4096, num_heads: int = 16, num_kv_heads: int = 8, head_dim: int = 128,
+                           page_size: int = 16, dtype: torch.dtype = torch.bfloat16, num_splits: int | None = None,
+                           peak_gb_per_s: float = 4300.0, check: bool = True) -> dict:
+    "Time `decode_attention` on a full batch on shuffled pages (CUDA only); bandwidth = bytes of K and V read / time."
+    assert torch.cuda.is_available() and not INTERPRET, 'bench_decode_attention needs a GPU'
+    device, g = 'cuda', torch.Generator(device='cuda').manual_seed(0)
+    num_pages = batch * triton.cdiv(context, page_size)
+    k_cache, v_cache = (torch.randn((num_pages + 1) * page_size, num_kv_heads, head_dim, generator=g, device=device, dtype=dtype) for _ in range(2))
+    page_table, table_idx = random_page_table([context] * batch, page_size, num_pages, context, device=device)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, num_heads, head_dim, generator=g, device=device, dtype=dtype)
+    if num_splits is None: num_splits = decode_num_splits(batch, num_kv_heads, context)
+    args = (q, k_cache, v_cache, page_table, table_idx, seq_lens, head_dim ** -0.5, num_splits)
+    max_abs_err = None
+    if check: max_abs_err = (decode_attention(*args).float() - decode_attention_ref(*args).float()).abs().max().item()
+    ms = triton.testing.do_bench(lambda: decode_attention(*args))
+    gb_per_s = 2 * batch * context * num_kv_heads * head_dim * k_cache.element_size() / (ms * 1e-3) / 1e9
+    return dict(batch=batch, context=context, num_splits=num_splits, ms=ms, gb_per_s=gb_per_s,
+                fraction_of_peak=gb_per_s / peak_gb_per_s, max_abs_err=max_abs_err)
