@@ -13,7 +13,7 @@ from .pages import PageAllocator, PageTable
 from .radix import RadixCache, RadixNode
 
 # %% auto #0
-__all__ = ['ModelRunner', 'FakeRunner', 'Scheduler']
+__all__ = ['ModelRunner', 'FakeRunner', 'check_stop', 'Scheduler']
 
 # %% ../nbs/05_scheduler.ipynb #f805fba8
 class ModelRunner(Protocol):
@@ -44,6 +44,18 @@ class FakeRunner:
         return tokens
 
 # %% ../nbs/05_scheduler.ipynb #fda45de2
+def check_stop(req: Req, token: int,            # the token just appended with `req.append_token`
+               eos_ids: Iterable[int]) -> FinishReason | None:
+    "Why `req` ends after its newest token `token`, or None (stop strings are checked on the text later)."
+    assert req.input_ids[-1] == token and len(req.input_ids) > req.prompt_len, f'req {req.uid}: check_stop after append_token'
+    sp, n = req.sampling_params, len(req.input_ids) - req.prompt_len
+    if n >= sp.min_tokens:
+        if not sp.ignore_eos and token in eos_ids: return FinishReason.STOP
+        if token in sp.stop_token_ids: return FinishReason.STOP
+    if (sp.max_tokens is not None and n >= sp.max_tokens) or len(req.input_ids) >= req.max_device_len: return FinishReason.LENGTH
+    return None
+
+# %% ../nbs/05_scheduler.ipynb #657a0596
 class Scheduler:
     "Admits, batches and finishes requests over a paged KV cache with an optional radix prefix cache."
     def __init__(self,
@@ -164,16 +176,9 @@ class Scheduler:
                 self._cache_prefix(req)
             req.append_token(token)
             out.append(req)
-            reason = self._finish_reason(req, int(token))
+            reason = check_stop(req, int(token), self.eos_token_ids)
             if reason is not None: self._finish(req, reason)
         return out
-
-    def _finish_reason(self, req: Req, token: int) -> FinishReason | None:
-        p = req.sampling_params
-        if len(req.output_ids) >= p.min_tokens and (token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids)):
-            return FinishReason.STOP
-        if req.device_len >= req.max_device_len: return FinishReason.LENGTH
-        return None
 
     def _finish(self, req: Req, reason: FinishReason):
         req.finish_reason = reason
