@@ -94,6 +94,7 @@ class Req:
     cache_handle: Any = None             # the radix node this request has locked
     finish_reason: FinishReason | None = None
     num_retractions: int = 0             # times the request was retracted and recomputed
+    output_logprobs: list = field(default_factory=list)  # per output token, when sampling_params.logprobs is set
     prompt_len: int = field(init=False)
 
     def __post_init__(self):
