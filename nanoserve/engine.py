@@ -139,15 +139,7 @@ def save_tiny_model(path: str | Path, arch: str = 'llama', seed: int = 0, tokeni
               pad_token_id=0, tie_word_embeddings=False)
     if arch == 'qwen3': kw['head_dim'] = 32
     kw.update(overrides)
-    cfg = AutoConfig.for_model({'llama': 'llama', 'qwen2': 'qwen2', 'qwen3': 'qwen3'}[arch], **kw)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():   # transformers' init (std 0.02, unit norms, zero biases) makes near-constant outputs
-        for name, p in model.named_parameters():
-            if 'norm' in name: p.copy_(1 + 0.1 * torch.randn_like(p))
-            else: p.normal_(0, 0.1 if p.ndim == 1 else 0.3)
-    model.save_pretrained(path)
-    if tokenizer:
+    if tokenizer:   # trained first, so that the model's vocabulary is exactly the tokenizer's
         from tokenizers import Tokenizer, models, trainers, pre_tokenizers, decoders, processors
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False); tok.decoder = decoders.ByteLevel()
@@ -158,4 +150,13 @@ def save_tiny_model(path: str | Path, arch: str = 'llama', seed: int = 0, tokeni
         fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                               "{% if add_generation_prompt %}<s>assistant: {% endif %}")
         fast.save_pretrained(path)
+        kw['vocab_size'] = tok.get_vocab_size()
+    cfg = AutoConfig.for_model({'llama': 'llama', 'qwen2': 'qwen2', 'qwen3': 'qwen3'}[arch], **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():   # transformers' init (std 0.02, unit norms, zero biases) makes near-constant outputs
+        for name, p in model.named_parameters():
+            if 'norm' in name: p.copy_(1 + 0.1 * torch.randn_like(p))
+            else: p.normal_(0, 0.1 if p.ndim == 1 else 0.3)
+    model.save_pretrained(path)
     return path
