@@ -73,8 +73,10 @@ class PageTable:
         self.host = torch.full((max_running_requests + 1, self.max_len), self.dummy_loc, dtype=torch.int32)
         self.device = torch.device(device)
         self.table = self.host if self.device.type == 'cpu' else self.host.to(self.device)
+        self.tokens = torch.zeros((max_running_requests + 1, self.max_len), dtype=torch.int32, device=self.device)
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
         self._dirty: set[int] = set()
+        self._token_writes: list[tuple[int, int, list[int]]] = []
 
     @property
     def num_free_rows(self) -> int: return len(self._free_rows)
@@ -94,6 +96,11 @@ class PageTable:
         "Set positions `[start, start + len(locs))` of `row` to the token locations `locs`."
         self.host[row, start:start + len(locs)] = locs; self._dirty.add(row)
 
+    def write_tokens(self, row: int, start: int, ids: list[int]):
+        "Set the token pool's positions `[start, start + len(ids))` of `row` to `ids` (applied at the next `sync`)."
+        if self.device.type == 'cpu': self.tokens[row, start:start + len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        else: self._token_writes.append((row, start, list(ids)))
+
     def allocate(self, row: int, start: int, end: int, pages: list[int]):
         "Fill `row` for positions `[start, end)` with the request's new `pages`."
         if not pages: return
@@ -111,8 +118,13 @@ class PageTable:
         return (self.host[row, start:end:self.page_size] // self.page_size).tolist()
 
     def sync(self):
-        "Copy the rows written since the last sync to the device mirror."
+        "Copy the rows written since the last sync to the device mirror, and apply queued token writes."
         if self.table is not self.host and self._dirty:
             rows = torch.tensor(sorted(self._dirty))
             self.table[rows.to(self.device)] = self.host[rows].to(self.device, non_blocking=True)
-        self._dirty.clear()
+        if self._token_writes:
+            rows = torch.tensor([r for r, s, ids in self._token_writes for _ in ids])
+            cols = torch.tensor([s + i for r, s, ids in self._token_writes for i in range(len(ids))])
+            vals = torch.tensor([t for r, s, ids in self._token_writes for t in ids], dtype=torch.int32)
+            self.tokens[rows.to(self.device), cols.to(self.device)] = vals.to(self.device, non_blocking=True)
+        self._dirty.clear(); self._token_writes.clear()

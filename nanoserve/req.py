@@ -165,12 +165,14 @@ class Batch:
     extend_lens: list[int]              # new positions per request in this step
     start_lens: list[int] = field(default_factory=list)  # each request's cached_len before the launch
     samples: list[bool] = field(default_factory=list)    # whether each request samples a token this step
+    epochs: list[int] = field(default_factory=list)      # each request's num_retractions when scheduled
 
     def __post_init__(self):
         assert len(self.reqs) == len(self.extend_lens) > 0
         assert self.phase == 'prefill' or all(n == 1 for n in self.extend_lens), 'a decode step extends each request by 1'
         if not self.start_lens: self.start_lens = [r.cached_len for r in self.reqs]
         if not self.samples: self.samples = [r.cached_len + n == r.device_len for r, n in zip(self.reqs, self.extend_lens)]
+        if not self.epochs: self.epochs = [r.num_retractions for r in self.reqs]
 
     @property
     def size(self) -> int: return len(self.reqs)

@@ -33,13 +33,16 @@ class FakeRunner:
         return int(((context * weights).sum() * 2654435761 + len(context)) % self.vocab_size)
 
     def forward(self, batch: Batch) -> list[int]:
+        "Compute a launched batch: input ids from the token pool, KV through the page table; sampled ids go back to the pool."
         tokens = []
-        for req, start, n in zip(batch.reqs, batch.start_lens, batch.extend_lens):
-            end = start + n
-            self.kv[self.table.locs(req.table_idx, start, end).long()] = torch.tensor(req.input_ids[start:end])
-            context = self.kv[self.table.locs(req.table_idx, 0, end).long()]
-            assert torch.equal(context, torch.tensor(req.input_ids[:end])), f'req {req.uid}: KV read through the page table is corrupt'
-            tokens.append(self.next_token(context))
+        for req, start, n, sampled in zip(batch.reqs, batch.start_lens, batch.extend_lens, batch.samples):
+            end, row = start + n, req.table_idx
+            self.kv[self.table.locs(row, start, end).long()] = self.table.tokens[row, start:end].long()
+            context = self.kv[self.table.locs(row, 0, end).long()]
+            assert torch.equal(context, self.table.tokens[row, :end].long()), f'req {req.uid}: KV read through the page table is corrupt'
+            token = self.next_token(context)
+            if sampled: self.table.tokens[row, req.device_len - 1] = token
+            tokens.append(token)
             self.num_tokens += n
         return tokens
 
@@ -78,6 +81,8 @@ class Scheduler:
         self.running: list[Req] = []      # decoding
         self.reqs: dict = {}              # uid -> every unfinished request
         self.num_retractions = 0
+        self._launched = self._processed = 0            # batches launched / whose results were processed
+        self._rows_to_free: list[tuple[int, int]] = []  # (launch count when released, row)
 
     # -- intake --------------------------------------------------------------------------------------------
     def add_request(self, uid, prompt_ids: Sequence[int], params: SamplingParams) -> Req:
@@ -104,9 +109,18 @@ class Scheduler:
         "Run one step. Returns the requests that got a token or finished in it."
         batch = self.schedule()
         if batch is None: return []
+        self.launch(batch)
+        return self.process(batch, self.runner.forward(batch))
+
+    def launch(self, batch: Batch):
+        "Start a scheduled batch: sync the page table and token pool, advance lengths, move finished prompts to decode."
         self.table.sync()
         batch.launch()
-        return self.process(batch, self.runner.forward(batch))
+        self._launched += 1
+        for req, sampled in zip(batch.reqs, batch.samples):
+            if batch.phase == 'prefill' and sampled:   # the prompt is fully prefilled: share it, then decode
+                self.prefilling.remove(req); self.running.append(req)
+                self._cache_prefix(req)
 
     def schedule(self) -> Batch | None:
         "Choose the next batch and give it pages: a prefill batch if any request can prefill, else a decode batch."
@@ -143,6 +157,7 @@ class Scheduler:
             self.waiting.popleft()
             req.table_idx, req.cache_handle = self.table.alloc_row(), node
             if len(hit): self.table.write(req.table_idx, 0, hit)
+            self.table.write_tokens(req.table_idx, 0, req.input_ids[:req.device_len])
             self.prefilling.append(req); reqs.append(req); lens.append(n)
             pages += pages_for(req.cached_len, req.cached_len + n, self.page_size)
         if not reqs: return None
@@ -158,22 +173,25 @@ class Scheduler:
         return node, hit
 
     def _schedule_decode(self) -> Batch | None:
-        if not self.running: return None
-        def need(): return sum(pages_for(r.cached_len, r.cached_len + 1, self.page_size) for r in self.running)
-        while need() > self._available_pages() and (len(self.running) > 1 or self.prefilling):
-            self._retract(self.prefilling.pop() if self.prefilling else self.running.pop())
-        for req in self.running: self._allocate(req, 1)
-        return Batch(list(self.running), 'decode', [1] * len(self.running))
+        def ready(): return [r for r in self.running if r.device_len < r.max_device_len]   # others await their last token
+        def need(): return sum(pages_for(r.cached_len, r.cached_len + 1, self.page_size) for r in ready())
+        while need() > self._available_pages() and (len(ready()) > 1 or self.prefilling):
+            victim = self.prefilling[-1] if self.prefilling else ready()[-1]
+            (self.prefilling if victim in self.prefilling else self.running).remove(victim)
+            self._retract(victim)
+        reqs = ready()
+        if not reqs: return None
+        for req in reqs: self._allocate(req, 1)
+        return Batch(reqs, 'decode', [1] * len(reqs))
 
     # -- results -------------------------------------------------------------------------------------------
     def process(self, batch: Batch, tokens: Sequence[int]) -> list[Req]:
-        "Take a launched batch's tokens: append, finish, cache finished prompts, free."
+        "Take a launched batch's tokens: append them, finish requests, free."
+        self._processed += 1
+        self._free_rows()
         out = []
-        for req, sampled, token in zip(batch.reqs, batch.samples, tokens):
-            if req.finished or not sampled: continue
-            if batch.phase == 'prefill':   # the prompt is fully prefilled: share it, then decode
-                self.prefilling.remove(req); self.running.append(req)
-                self._cache_prefix(req)
+        for req, sampled, epoch, token in zip(batch.reqs, batch.samples, batch.epochs, tokens):
+            if req.finished or not sampled or req.num_retractions != epoch: continue   # done, or retracted meanwhile
             req.append_token(token)
             out.append(req)
             reason = check_stop(req, int(token), self.eos_token_ids)
@@ -236,8 +254,17 @@ class Scheduler:
             if req.cache_handle is not None: self.cache.unlock(req.cache_handle)
         else:
             self.allocator.free(self._own_pages(req))
-        self.table.free_row(req.table_idx)
+        self._rows_to_free.append((self._launched, req.table_idx))
         req.table_idx, req.cache_handle = -1, None
+        self._free_rows()
+
+    def _free_rows(self):
+        "Give back the request slots that no launched, unprocessed batch can still write to."
+        keep = []
+        for mark, row in self._rows_to_free:
+            if mark <= self._processed: self.table.free_row(row)
+            else: keep.append((mark, row))
+        self._rows_to_free = keep
 
     # -- checks --------------------------------------------------------------------------------------------
     def check_integrity(self):
@@ -247,7 +274,7 @@ class Scheduler:
         if self.cache is not None:
             self.cache.check_integrity(); owned += self.cache.pages()
         assert sorted(owned) == list(range(self.allocator.num_pages)), 'a page is lost or owned twice'
-        assert self.table.num_free_rows + len(admitted) == self.table.dummy_row, 'a request slot is lost'
+        assert self.table.num_free_rows + len(admitted) + len(self._rows_to_free) == self.table.dummy_row, 'a request slot is lost'
         assert len({r.table_idx for r in admitted}) == len(admitted), 'two requests share a slot'
         for r in admitted: r.check()
         assert set(self.reqs) == {r.uid for r in admitted} | {r.uid for r in self.waiting}, 'a request is lost'
