@@ -13,7 +13,7 @@ from .req import Batch, Req, SamplingParams
 from .pages import PageAllocator, PageTable
 from .scheduler import Scheduler
 from .model import load_model, resolve_model_path
-from .metadata import TorchAttentionBackend, build_metadata
+from .metadata import build_metadata, make_attention_backend
 from .sampling import Sampler, SamplingBatch
 
 # %% auto #0
@@ -64,7 +64,8 @@ class Worker:
         shape = (mc.num_layers, self.allocator.num_slots, local_kv_heads(mc, tp_size), mc.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.backend = TorchAttentionBackend(self.k_cache, self.v_cache, mc.head_dim ** -0.5)
+        self.backend = make_attention_backend(config.attention_backend, self.k_cache, self.v_cache, mc.head_dim ** -0.5)
+        self.model.use_triton_ops(self.backend.name == 'triton')   # the Triton backend brings the Triton norm/rope/act too
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.vocab_size = mc.vocab_size
 

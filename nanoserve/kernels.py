@@ -396,7 +396,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      page_table: torch.Tensor, table_idx: torch.Tensor, prefix_lens: torch.Tensor,
-                     extend_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     extend_lens: torch.Tensor, scale: float, max_extend_len: int | None = None) -> torch.Tensor:
     "Triton `extend_attention_ref`: flash attention of the new tokens over their paged prefix and themselves; `[T, H, D]`."
     (T, H, D), KVH = q.shape, k.shape[1]
     assert H % KVH == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == page_table.stride(-1) == 1
@@ -405,7 +405,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     group = H // KVH
     extend_start = torch.cumsum(extend_lens, 0) - extend_lens
     block_m, block_n, num_warps = (64, 64, 4) if INTERPRET else (64, 32, 8)
-    grid = (extend_lens.shape[0], KVH, triton.cdiv(int(extend_lens.max()) * group, block_m))
+    if max_extend_len is None: max_extend_len = int(extend_lens.max())   # waits for the GPU: callers that know it pass it
+    grid = (extend_lens.shape[0], KVH, triton.cdiv(max_extend_len * group, block_m))
     _extend_kernel[grid](
         q, k, v, k_cache, v_cache, out, page_table, table_idx, prefix_lens, extend_lens, extend_start, scale * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 from .req import Batch
 from .pages import PageTable
+from .kernels import INTERPRET, decode_attention, decode_num_splits, extend_attention, store_kv
 
 # %% auto #0
-__all__ = ['ForwardMeta', 'build_metadata', 'TorchAttentionBackend']
+__all__ = ['ATTENTION_BACKENDS', 'ForwardMeta', 'build_metadata', 'TorchAttentionBackend', 'TritonAttentionBackend',
+           'make_attention_backend']
 
 # %% ../nbs/08_metadata.ipynb #dc822f1e
 @dataclass
@@ -62,6 +64,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 class TorchAttentionBackend:
     "Stores K/V into the paged pool and attends through the page table, with plain torch ops."
+    name = 'torch'
     def __init__(self,
                  k_cache: torch.Tensor,  # [num_layers, num_slots, kv_heads, head_dim]
                  v_cache: torch.Tensor,  # same
@@ -99,3 +102,43 @@ class TorchAttentionBackend:
             o = _attend(qi.to(keys.dtype), keys, vals, mask[None, None], self.scale)           # [1, KVH, G*n, D]
             out[s:s + n] = o.view(kvh, g, n, D).permute(2, 0, 1, 3).reshape(n, H, D).to(q.dtype)
         return out
+
+# %% ../nbs/08_metadata.ipynb #2c26bc85
+class TritonAttentionBackend:
+    "Stores K/V and attends through the page table with the Triton kernels: flash decoding, and paged flash attention for prefill."
+    name = 'triton'
+    def __init__(self,
+                 k_cache: torch.Tensor,  # [num_layers, num_slots, kv_heads, head_dim]
+                 v_cache: torch.Tensor,  # same
+                 scale: float):          # softmax scale, usually head_dim ** -0.5
+        self.k_cache, self.v_cache, self.scale = k_cache, v_cache, scale
+        self.meta: ForwardMeta | None = None
+        self._num_sms = torch.cuda.get_device_properties(k_cache.device).multi_processor_count if k_cache.is_cuda else 0
+
+    def prepare(self, meta: ForwardMeta):
+        "Take the metadata of the batch about to run, and the host numbers its kernels' grids need."
+        self.meta = meta
+        if meta.phase == 'decode':
+            self._num_splits = decode_num_splits(meta.num_reqs, self.k_cache.shape[2], meta.max_seq_len, self._num_sms)
+        else:
+            self._max_extend_len = int(meta.extend_lens.max())   # NOTE: the step's one wait for the device
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        "Store `k`, `v` `[T, KVH, D]` for `layer`, then attend with `q` `[T, H, D]`; returns `[T, H, D]`."
+        m, kc, vc = self.meta, self.k_cache[layer], self.v_cache[layer]
+        store_kv(k, v, kc, vc, m.out_loc)
+        if m.phase == 'decode':
+            return decode_attention(q, kc, vc, m.page_table, m.table_idx, m.seq_lens, self.scale, self._num_splits)
+        return extend_attention(q, k, v, kc, vc, m.page_table, m.table_idx, m.prefix_lens, m.extend_lens, self.scale,
+                                self._max_extend_len)
+
+# %% ../nbs/08_metadata.ipynb #389481fb
+ATTENTION_BACKENDS = {'torch': TorchAttentionBackend, 'triton': TritonAttentionBackend}
+
+def make_attention_backend(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
+    "The attention backend `name` ('auto': triton on CUDA, torch elsewhere) over the pool `k_cache`, `v_cache`."
+    if name == 'auto': name = 'triton' if k_cache.is_cuda else 'torch'
+    if name not in ATTENTION_BACKENDS: raise ValueError(f"attention_backend: must be 'auto', 'torch' or 'triton', got {name!r}")
+    if name == 'triton' and not k_cache.is_cuda and not INTERPRET:
+        raise ValueError("attention_backend: 'triton' needs the KV pool on a GPU, or the Triton interpreter (TRITON_INTERPRET=1)")
+    return ATTENTION_BACKENDS[name](k_cache, v_cache, scale)

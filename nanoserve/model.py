@@ -7,7 +7,7 @@ from __future__ import annotations
 import json, os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -15,17 +15,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .kernels import rms_norm_ref, rope_cos_sin_cache, rope_ref, silu_and_mul_ref
+from .kernels import rms_norm, rms_norm_ref, rope, rope_cos_sin_cache, rope_ref, silu_and_mul, silu_and_mul_ref
 
 # %% auto #0
-__all__ = ['AttentionFn', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'default_weight_loader', 'ColumnParallelLinear',
-           'MergedColumnParallelLinear', 'QKVParallelLinear', 'RowParallelLinear', 'VocabParallelEmbedding',
-           'ParallelLMHead', 'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP', 'DecoderLayer', 'DecoderModel',
-           'DecoderForCausalLM', 'build_model', 'checkpoint_files', 'load_weights', 'resolve_model_path', 'load_model']
+__all__ = ['TORCH_OPS', 'TRITON_OPS', 'AttentionFn', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'Ops', 'default_weight_loader',
+           'ColumnParallelLinear', 'MergedColumnParallelLinear', 'QKVParallelLinear', 'RowParallelLinear',
+           'VocabParallelEmbedding', 'ParallelLMHead', 'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP', 'DecoderLayer',
+           'DecoderModel', 'DecoderForCausalLM', 'build_model', 'checkpoint_files', 'load_weights',
+           'resolve_model_path', 'load_model']
 
 # %% ../nbs/07_model.ipynb #e707e8a4
-# NOTE: the one place that picks the kernels; everything below calls these three names.
-_rms_norm, _rope, _silu_and_mul = rms_norm_ref, rope_ref, silu_and_mul_ref
+class Ops(NamedTuple):
+    "The three small ops of a forward pass, by name; every layer calls them through its `ops`."
+    rms_norm: Callable
+    rope: Callable
+    silu_and_mul: Callable
+
+TORCH_OPS = Ops(rms_norm_ref, rope_ref, silu_and_mul_ref)   # any device: the CPU default and the reference
+TRITON_OPS = Ops(rms_norm, rope, silu_and_mul)              # chapter 06's kernels: on a GPU, or in the interpreter
 
 # %% ../nbs/07_model.ipynb #c269e58e
 def _divide(n: int, d: int, what: str) -> int:
@@ -207,11 +214,11 @@ class RMSNorm(nn.Module):
     "RMSNorm; with a `residual`, normalises `x + residual` and returns the sum too."
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.eps = eps
+        self.eps, self.ops = eps, TORCH_OPS
         self.weight = _parameter(dim)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return _rms_norm(x, self.weight, self.eps, residual)
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
     def extra_repr(self) -> str: return f'{self.weight.shape[0]}, eps={self.eps}'
 
@@ -219,10 +226,11 @@ class RotaryEmbedding(nn.Module):
     "The fp32 cos/sin table of every position, applied to q and k in place."
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
         super().__init__()
+        self.ops = TORCH_OPS
         self.register_buffer('cos_sin', rope_cos_sin_cache(head_dim, max_positions, theta, scaling).float(), persistent=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        return _rope(q, k, positions, self.cos_sin)
+        return self.ops.rope(q, k, positions, self.cos_sin)
 
     def extra_repr(self) -> str: return f'positions={self.cos_sin.shape[0]}, head_dim={self.cos_sin.shape[1]}'
 
@@ -258,8 +266,9 @@ class MLP(nn.Module):
         I = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [I, I], False, tp_rank, tp_size)
         self.down_proj = RowParallelLinear(I, config.hidden_size, False, tp_rank, tp_size)
+        self.ops = TORCH_OPS
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor: return self.down_proj(_silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor: return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 class DecoderLayer(nn.Module):
     "Pre-norm attention and MLP blocks; carries the residual stream beside the hidden state."
@@ -310,6 +319,12 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         "fp32 logits `[N, vocab]` of the rows the caller chose (in prefill, each request's last position)."
         return self.lm_head(hidden)
+
+    def use_triton_ops(self, enabled: bool = True) -> DecoderForCausalLM:
+        "Run every norm, rotary embedding and MLP activation with chapter 06's Triton kernels (or, `False`, the torch references)."
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, RotaryEmbedding, MLP)): m.ops = TRITON_OPS if enabled else TORCH_OPS
+        return self
 
 # %% ../nbs/07_model.ipynb #c2700914
 @contextmanager
