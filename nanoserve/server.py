@@ -713,7 +713,8 @@ async def _events(first: TextOut, gen: Generation, fmt: ResponseFormat, num_choi
         for i in range(num_choices): yield sse(fmt.role_chunk(i))
     item = first
     while True:
-        yield sse(fmt.chunk(item))
+        if item.text or item.finish_reason is not None or item.logprobs:   # text held back (a possible stop string) waits
+            yield sse(fmt.chunk(item))
         if gen.finished: break
         try: item = await gen.next()
         except ApiError as e:
