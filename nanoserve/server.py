@@ -619,6 +619,8 @@ class Generation:
             base = self.offset[r.rid]
             if any(base + k in self.unfinished for k in range(self.n)): self.frontend.send(AbortReq(r.rid))
 
+def _log(msg: str): print(f'nanoserve: {msg}', file=sys.stderr, flush=True)
+
 def _exit_words(code: int) -> str:
     "How a process ended, in words."
     if code < 0:
@@ -636,6 +638,7 @@ class Frontend:
         self.on_fatal: Callable[[], None] | None = None
         self.metrics = ServerMetrics(model_name, lambda: self.stats)
         self.created = int(time.time())
+        self.log_interval = 10.0                    # seconds between throughput log lines while busy; 0: none
         self._tasks: list[asyncio.Task] = []
 
     @asynccontextmanager
@@ -666,18 +669,39 @@ class Frontend:
         return gen
 
     async def _listen(self):
-        while True:
-            msg: ReplyOut = decode(await self._pull.recv())
-            if msg.stats is not None: self.stats = msg.stats
-            for item in msg.outputs + msg.errors:
-                gen = self.routes.get(item.rid)
-                if gen is not None: gen.feed(item)
+        try:
+            while True:
+                msg: ReplyOut = decode(await self._pull.recv())
+                if msg.stats is not None: self.stats = msg.stats
+                for item in msg.outputs + msg.errors:
+                    gen = self.routes.get(item.rid)
+                    if gen is not None: gen.feed(item)
+        except Exception as e:   # without the listener no reply would ever arrive: never hang, stop
+            self.die(f'the API server stopped reading replies ({type(e).__name__}: {e})')
 
     async def _watch(self):
-        while self.fatal is None and self.workers is not None:
-            dead = self.workers.dead()
+        "Watch the workers; every `log_interval` seconds of activity, log the scheduler's counters."
+        last_log, last_tokens = time.monotonic(), 0
+        while self.fatal is None:
+            dead = self.workers.dead() if self.workers is not None else None
             if dead: self.die(f'the {dead[0]} process {_exit_words(dead[1])}')
+            now = time.monotonic()
+            if self.log_interval and now - last_log >= self.log_interval:
+                last_tokens = self._log_stats(now - last_log, last_tokens)
+                last_log = now
             await asyncio.sleep(0.1)
+
+    def _log_stats(self, seconds: float, last_tokens: int) -> int:
+        "Log throughput and load if anything happened; returns the token count to compare with next time."
+        s = self.stats
+        tokens = s.get('generated_tokens', 0)
+        if tokens != last_tokens or s.get('running') or s.get('waiting'):
+            pages, q = s.get('num_pages', 0) or 1, s.get('prefix_queries', 0)
+            used = 1 - (s.get('free_pages', 0) + s.get('evictable_pages', 0)) / pages
+            _log(f"generation {(tokens - last_tokens) / seconds:.1f} tok/s, running {s.get('running', 0)}, "
+                 f"waiting {s.get('waiting', 0)}, KV cache {100 * used:.1f}% used, "
+                 f"prefix cache hit rate {100 * s.get('prefix_hits', 0) / q if q else 0:.1f}%")
+        return tokens
 
     def fail_all(self, status: int, message: str):
         "End every open request with an error."
@@ -687,7 +711,7 @@ class Frontend:
         "A worker is gone: fail what is open, refuse what comes, and shut the server down."
         if self.fatal: return
         self.fatal = message
-        print(f'nanoserve: ERROR: {message}; shutting down', file=sys.stderr, flush=True)
+        _log(f'ERROR: {message}; shutting down')
         self.fail_all(503, message)
         if self.on_fatal: asyncio.get_running_loop().call_later(0.5, self.on_fatal)
 
@@ -928,8 +952,6 @@ class Workers:
         self._dir.cleanup()
 
 # %% ../nbs/14_server.ipynb #da9050fb
-def _log(msg: str): print(f'nanoserve: {msg}', file=sys.stderr, flush=True)
-
 def _raise_interrupt(signum, frame): raise KeyboardInterrupt
 
 def _model_dir(model: str) -> str:
@@ -957,7 +979,8 @@ class _Server(uvicorn.Server):
 def run_server(model: str, host: str = '127.0.0.1', port: int = 8000, served_model_name: str | None = None,
                chat_template: str | None = None, log_level: str = 'warning', **engine_kwargs):
     "Serve `model` with OpenAI's API at http://host:port until Ctrl-C or SIGTERM; engine knobs as in `LLM`."
-    path = _model_dir(model)
+    try: path = _model_dir(model)
+    except (FileNotFoundError, ValueError) as e: raise SystemExit(f'nanoserve: {e}') from None
     name = served_model_name or model
     main_thread = threading.current_thread() is threading.main_thread()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}

@@ -1,7 +1,7 @@
 """The OpenAI-compatible server, run for real (three processes, ZMQ, uvicorn) on a tiny model, driven by the official
 `openai` client: response shapes, greedy text equal to the offline `LLM`, a catalogue of bad requests, aborts on
 disconnect, clean shutdown and a dying worker. Loopback only; every wait is bounded."""
-import asyncio, json, os, signal, time
+import asyncio, json, os, signal, subprocess, sys, time
 import httpx
 import openai
 import pytest
@@ -282,6 +282,30 @@ def test_disconnect_while_waiting_aborts(server):
     assert after['generated_tokens'] - before['generated_tokens'] < 480
     assert after['integrity'] == 'ok' and _kv_usage(server) == 0.0
 
+def test_abort_some_of_many(server, llm):
+    "Eight concurrent streams, four cancelled after their first chunk: the others are exact, nothing is left behind."
+    before = _wait_idle(server)
+    refs = [_greedy(llm, p, 24).text for p in PROMPTS]
+    async def one(c, prompt, cancel):
+        stream = await c.completions.create(model='tiny', prompt=prompt, max_tokens=24 if not cancel else 480, temperature=0,
+                                            stream=True, extra_body={'ignore_eos': True})
+        text = ''
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            if cancel:
+                await stream.close()
+                return None
+        return text
+    async def main():
+        async with AsyncOpenAI(base_url=server.url + '/v1', api_key='unused', max_retries=0, timeout=60) as c:
+            return await asyncio.gather(*[one(c, p, cancel) for p in PROMPTS for cancel in (False, True)])
+    got = asyncio.run(main())
+    assert got[0::2] == refs and got[1::2] == [None] * 4
+    after = _wait_idle(server)
+    assert after['aborted'] == before['aborted'] + 4
+    assert after['generated_tokens'] - before['generated_tokens'] < 4 * 24 + 4 * 480
+    assert after['locked_pages'] == 0 and after['integrity'] == 'ok' and _kv_usage(server) == 0.0
+
 def test_prefix_cache_metrics(server, client):
     before = _wait_idle(server)
     prompt = 'Pages of keys and values are shared between requests that start alike. ' * 2
@@ -308,6 +332,14 @@ def test_ctrl_c_mid_stream(model_dir):
         assert rest[-1] == 'data: [DONE]' and 'shutting down' in json.loads(rest[-2][6:])['error']['message']
         assert s.proc.wait(30) == 0
     for pid in pids.values(): assert _gone(pid)
+
+def test_startup_failure_is_reported(model_dir):
+    "A bad engine argument or model: the server exits 1 with a one-line reason, and leaves no process behind."
+    code = 'import json, sys; from nanoserve.server import run_server; run_server(**json.loads(sys.argv[1]))'
+    for kwargs, words in [(dict(model=model_dir, page_sise=4), 'unknown engine argument(s): page_sise'),
+                          (dict(model='/nonexistent/model'), 'is not a model directory')]:
+        r = subprocess.run([sys.executable, '-c', code, json.dumps(kwargs)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 1 and words in r.stderr and 'Traceback' not in r.stderr, r.stderr
 
 def test_worker_death(model_dir):
     "The scheduler dies mid-stream: the client gets an error event, the server exits non-zero, nothing is left."
