@@ -94,10 +94,17 @@ class Worker:
         rows = [i for i, s in enumerate(batch.samples) if s]
         reqs = [batch.reqs[i] for i in rows]
         out = self.sampler.sample(logits, SamplingBatch.from_reqs(reqs, logits.shape[-1], self.device, self.model_config.eos_token_ids))
+        self.write_tokens(reqs, out.tokens)
         for i, r, t, lp in zip(rows, reqs, out.tokens.tolist(), out.host_logprobs()):
             tokens[i] = t
             if lp is not None: r.output_logprobs.append(lp)
         return tokens
+
+    def write_tokens(self, reqs: list[Req], tokens: torch.Tensor):
+        "Put sampled tokens into the token pool, at the position each launch reserved (`device_len - 1`), on the device."
+        rows = torch.tensor([r.table_idx for r in reqs], device=self.device)
+        cols = torch.tensor([r.device_len - 1 for r in reqs], device=self.device)
+        self.table.tokens[rows, cols] = tokens.to(self.table.tokens.dtype)
 
 # %% ../nbs/10_engine.ipynb #9127f3dd
 class Engine:

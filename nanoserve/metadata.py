@@ -31,15 +31,15 @@ class ForwardMeta:
     page_table: torch.Tensor    # int32 [rows, max_len] the device page table
     num_reqs: int               # B, padding included
     max_seq_len: int            # max(seq_lens), on the host
+    max_extend_len: int         # max(extend_lens), on the host
 
 def build_metadata(batch: Batch, table: PageTable, pad_to: int | None = None) -> ForwardMeta:
-    "Turn a launched-or-about-to-launch batch into `ForwardMeta`, padded with the dummy request up to `pad_to` requests."
+    "Turn a launched batch into `ForwardMeta`, padded with the dummy request up to `pad_to` requests."
     rows = [r.table_idx for r in batch.reqs]
     starts, lens = list(batch.start_lens), list(batch.extend_lens)
-    ids = [t for r, s, n in zip(batch.reqs, starts, lens) for t in r.input_ids[s:s + n]]
     if pad_to is not None and pad_to > len(rows):
         extra = pad_to - len(rows)
-        rows += [table.dummy_row] * extra; starts += [0] * extra; lens += [1] * extra; ids += [0] * extra
+        rows += [table.dummy_row] * extra; starts += [0] * extra; lens += [1] * extra
     device = table.table.device
     extend = torch.tensor(lens, dtype=torch.int32)
     prefix = torch.tensor(starts, dtype=torch.int32)
@@ -49,12 +49,14 @@ def build_metadata(batch: Batch, table: PageTable, pad_to: int | None = None) ->
         offsets = torch.arange(int(extend.sum())) - torch.repeat_interleave(extend.cumsum(0) - extend, extend)
         positions = torch.repeat_interleave(prefix.long(), extend) + offsets
     row_t = torch.tensor(rows, dtype=torch.int32)
-    token_rows = torch.repeat_interleave(row_t.long(), extend)
-    meta = ForwardMeta(batch.phase, torch.tensor(ids, dtype=torch.int64), positions, None, row_t, prefix, extend,
-                       prefix + extend, extend.cumsum(0).long() - 1, table.table, len(rows), int((prefix + extend).max()))
-    for name in ('input_ids', 'positions', 'table_idx', 'prefix_lens', 'extend_lens', 'seq_lens', 'last_indices'):
+    token_rows = torch.repeat_interleave(row_t.long(), extend).to(device, non_blocking=True)
+    seq = [s + n for s, n in zip(starts, lens)]
+    meta = ForwardMeta(batch.phase, None, positions, None, row_t, prefix, extend, prefix + extend,
+                       extend.cumsum(0).long() - 1, table.table, len(rows), max(seq), max(lens))
+    for name in ('positions', 'table_idx', 'prefix_lens', 'extend_lens', 'seq_lens', 'last_indices'):
         setattr(meta, name, getattr(meta, name).to(device, non_blocking=True))
-    meta.out_loc = table.table[token_rows.to(device), meta.positions].long()
+    meta.input_ids = table.tokens[token_rows, meta.positions].long()   # ids come from the token pool, on the device
+    meta.out_loc = table.table[token_rows, meta.positions].long()
     return meta
 
 # %% ../nbs/08_metadata.ipynb #375c74b7
@@ -121,7 +123,7 @@ class TritonAttentionBackend:
         if meta.phase == 'decode':
             self._num_splits = decode_num_splits(meta.num_reqs, self.k_cache.shape[2], meta.max_seq_len, self._num_sms)
         else:
-            self._max_extend_len = int(meta.extend_lens.max())   # NOTE: the step's one wait for the device
+            self._max_extend_len = meta.max_extend_len
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         "Store `k`, `v` `[T, KVH, D]` for `layer`, then attend with `q` `[T, H, D]`; returns `[T, H, D]`."
