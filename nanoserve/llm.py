@@ -11,9 +11,10 @@ from tqdm import tqdm
 from .config import EngineConfig
 from .req import FinishReason, Req, SamplingParams
 from .engine import Engine
+from .overlap import OverlapEngine
 
 # %% auto #0
-__all__ = ['IncrementalDetokenizer', 'CompletionOutput', 'RequestOutput', 'LLM']
+__all__ = ['IncrementalDetokenizer', 'CompletionOutput', 'RequestOutput', 'make_engine', 'LLM']
 
 # %% ../nbs/13_llm.ipynb #105a1429
 class IncrementalDetokenizer:
@@ -87,6 +88,11 @@ class RequestOutput:
     finished: bool
 
 # %% ../nbs/13_llm.ipynb #479f04d6
+def make_engine(config: EngineConfig) -> Engine:
+    "The engine for `config`: overlapped unless `enable_overlap` is off."
+    return (OverlapEngine if config.enable_overlap else Engine)(config)
+
+# %% ../nbs/13_llm.ipynb #f116b443
 class _Seq:
     "A sequence being generated: its engine request and its detokenizer."
     def __init__(self, req: Req, detok: IncrementalDetokenizer): self.req, self.detok = req, detok
@@ -95,7 +101,7 @@ class LLM:
     "Offline generation: tokenizer + engine in one process."
     def __init__(self, model: str, tokenizer: str | None = None, **engine_kwargs):
         from transformers import AutoTokenizer
-        self.engine = Engine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
+        self.engine = make_engine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or str(self.engine.worker.path))
         self._counter = 0
 

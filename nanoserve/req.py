@@ -95,6 +95,7 @@ class Req:
     finish_reason: FinishReason | None = None
     num_retractions: int = 0             # times the request was retracted and recomputed
     output_logprobs: list = field(default_factory=list)  # per output token, when sampling_params.logprobs is set
+    num_cached_tokens: int = 0           # prompt tokens found in the prefix cache when first admitted
     prompt_len: int = field(init=False)
 
     def __post_init__(self):

@@ -81,6 +81,7 @@ class Scheduler:
         self.running: list[Req] = []      # decoding
         self.reqs: dict = {}              # uid -> every unfinished request
         self.num_retractions = 0
+        self.prefix_queries = self.prefix_hits = 0      # prompt tokens admitted / found in the prefix cache
         self._launched = self._processed = 0            # batches launched / whose results were processed
         self._rows_to_free: list[tuple[int, int]] = []  # (launch count when released, row)
 
@@ -158,6 +159,8 @@ class Scheduler:
             req.table_idx, req.cache_handle = self.table.alloc_row(), node
             if len(hit): self.table.write(req.table_idx, 0, hit)
             self.table.write_tokens(req.table_idx, 0, req.input_ids[:req.device_len])
+            if req.num_retractions == 0:
+                req.num_cached_tokens = len(hit); self.prefix_queries += req.prompt_len; self.prefix_hits += len(hit)
             self.prefilling.append(req); reqs.append(req); lens.append(n)
             pages += pages_for(req.cached_len, req.cached_len + n, self.page_size)
         if not reqs: return None
@@ -287,4 +290,5 @@ class Scheduler:
         "Counts for logs and metrics."
         return dict(waiting=len(self.waiting), running=len(self.running) + len(self.prefilling),
                     free_pages=self.allocator.num_free, evictable_pages=self.cache.evictable_pages if self.cache else 0,
-                    locked_pages=self.cache.protected_pages if self.cache else 0, retractions=self.num_retractions)
+                    locked_pages=self.cache.protected_pages if self.cache else 0, retractions=self.num_retractions,
+                    prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits)

@@ -315,16 +315,8 @@ class TokenizerWorker:
 def build_engine(model: str, **engine_kwargs):
     "The scheduler process's engine: `Engine` on one device (the place where a tensor-parallel engine is built instead)."
     from nanoserve.config import EngineConfig
-    from nanoserve.engine import Engine
-    return Engine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
-
-class _ObservedRunner:
-    "Wraps the scheduler's model runner to see each batch before it runs."
-    def __init__(self, runner, on_batch: Callable): self.runner, self.on_batch = runner, on_batch
-    def forward(self, batch):
-        self.on_batch(batch)
-        return self.runner.forward(batch)
-    def __getattr__(self, name): return getattr(self.runner, name)
+    from nanoserve.llm import make_engine
+    return make_engine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
 
 class SchedulerWorker:
     "The scheduler process's logic: admit and abort requests, step the engine, report tokens and counters."
@@ -332,20 +324,10 @@ class SchedulerWorker:
         self.engine = engine
         self.choices: dict[str, list] = {}     # rid -> the engine uids of its unfinished choices
         self.sent: dict = {}                   # engine uid -> output tokens already reported
-        self.cached: dict = {}                 # engine uid -> prompt tokens its first prefill found cached
-        self.prefix_queries = self.prefix_hits = 0
         self.generated_tokens = self.aborted = 0       # totals, for metrics and tests
         self.integrity = 'ok'
         self._checked = True                   # the integrity check ran since the engine last did anything
         self.scheduler = getattr(engine, 'scheduler', None)
-        if self.scheduler is not None: self.scheduler.runner = _ObservedRunner(self.scheduler.runner, self._on_batch)
-
-    def _on_batch(self, batch):
-        if batch.phase != 'prefill': return
-        for req, start in zip(batch.reqs, batch.start_lens):
-            if req.uid in self.cached: continue       # a later chunk, or a recompute after a retraction
-            self.cached[req.uid] = start
-            self.prefix_queries += req.prompt_len; self.prefix_hits += start
 
     def handle(self, msg) -> ErrorOut | None:
         "Take one message from the tokenizer process."
@@ -381,7 +363,7 @@ class SchedulerWorker:
         rid = uid[0]
         self.choices[rid].remove(uid)
         if not self.choices[rid]: del self.choices[rid]
-        self.sent.pop(uid, None); self.cached.pop(uid, None)
+        self.sent.pop(uid, None)
 
     def step(self) -> list[TokenOut]:
         "One engine step; the new tokens of every choice that advanced."
@@ -395,7 +377,7 @@ class SchedulerWorker:
             if req.sampling_params.logprobs is not None:
                 lps = [[lp.logprob, [list(p) for p in lp.top]] for lp in req.output_logprobs[start:start + len(new)]]
             finish = req.finish_reason.value if req.finish_reason is not None else None
-            outs.append(TokenOut(req.uid[0], req.uid[1], new, lps, finish, req.prompt_len, self.cached.get(req.uid, 0)))
+            outs.append(TokenOut(req.uid[0], req.uid[1], new, lps, finish, req.prompt_len, req.num_cached_tokens))
             self.sent[req.uid] = start + len(new)
             self.generated_tokens += len(new)
             if finish is not None: self._done(req.uid)
@@ -415,7 +397,7 @@ class SchedulerWorker:
         "Counters for `/metrics`."
         s = dict(self.scheduler.stats()) if self.scheduler is not None else {}
         if self.scheduler is not None: s['num_pages'] = self.scheduler.allocator.num_pages
-        s.update(prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits, generated_tokens=self.generated_tokens,
+        s.update(generated_tokens=self.generated_tokens,
                  aborted=self.aborted, integrity=self.integrity)
         return s
 
