@@ -14,7 +14,7 @@ from .req import Batch, Req, SamplingParams
 from .pages import PageAllocator, PageTable
 from .scheduler import Scheduler
 from .model import load_model, resolve_model_path
-from .metadata import build_metadata, make_attention_backend
+from .metadata import GraphRunner, build_metadata, make_attention_backend
 from .sampling import Sampler, SamplingBatch
 
 # %% auto #0
@@ -69,6 +69,10 @@ class Worker:
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.backend = make_attention_backend(config.attention_backend, self.k_cache, self.v_cache, mc.head_dim ** -0.5)
         self.model.use_triton_ops(self.backend.name == 'triton')   # the Triton backend brings the Triton norm/rope/act too
+        self.graphs = None      # decode CUDA graphs (chapter 08): on a GPU, with the Triton backend
+        if self.device.type == 'cuda' and self.backend.name == 'triton' and config.cuda_graph_max_bs > 0:
+            self.graphs = GraphRunner(self.model, self.backend, self.table, min(config.cuda_graph_max_bs, config.max_running_requests))
+            with torch.inference_mode(): self.graphs.capture()
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.vocab_size = mc.vocab_size
 
@@ -81,6 +85,8 @@ class Worker:
     def compute_logits(self, batch: Batch) -> torch.Tensor | None:
         "Run the model over the batch: logits of the requests that sample, or None. (Every TP rank runs this part.)"
         meta = build_metadata(batch, self.table)
+        if self.graphs is not None and meta.phase == 'decode' and self.graphs.bucket(meta.num_reqs) is not None:
+            return self.graphs.replay(meta)
         self.backend.prepare(meta)
         hidden = self.model(meta.input_ids, meta.positions, self.backend)
         rows = [i for i, s in enumerate(batch.samples) if s]

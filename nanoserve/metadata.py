@@ -13,7 +13,7 @@ from .kernels import INTERPRET, decode_attention, decode_num_splits, extend_atte
 
 # %% auto #0
 __all__ = ['ATTENTION_BACKENDS', 'ForwardMeta', 'build_metadata', 'TorchAttentionBackend', 'TritonAttentionBackend',
-           'make_attention_backend']
+           'make_attention_backend', 'graph_batch_sizes', 'GraphRunner']
 
 # %% ../nbs/08_metadata.ipynb #dc822f1e
 @dataclass
@@ -144,3 +144,69 @@ def make_attention_backend(name: str, k_cache: torch.Tensor, v_cache: torch.Tens
     if name == 'triton' and not k_cache.is_cuda and not INTERPRET:
         raise ValueError("attention_backend: 'triton' needs the KV pool on a GPU, or the Triton interpreter (TRITON_INTERPRET=1)")
     return ATTENTION_BACKENDS[name](k_cache, v_cache, scale)
+
+# %% ../nbs/08_metadata.ipynb #de4c4e08
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    "The decode batch sizes to capture: 1, 2, 4, 8, then every 8, and `max_bs` itself."
+    sizes = [s for s in (1, 2, 4) if s < max_bs] + list(range(8, max_bs, 8)) + [max_bs]
+    return sorted(set(sizes))
+
+class GraphRunner:
+    "Captures decode forward passes for a ladder of batch sizes and replays them through static buffers."
+    def __init__(self, model, backend, table: PageTable, max_bs: int):
+        self.model, self.backend, self.table = model, backend, table
+        self.sizes = graph_batch_sizes(max_bs)
+        self.max_bs = max_bs
+        dev = table.table.device
+        self.buf = dict(input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+                        positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+                        out_loc=torch.full((max_bs,), table.dummy_loc, dtype=torch.int64, device=dev),
+                        table_idx=torch.full((max_bs,), table.dummy_row, dtype=torch.int32, device=dev),
+                        prefix_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+                        extend_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
+                        seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
+                        last_indices=torch.arange(max_bs, dtype=torch.int64, device=dev))
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def bucket(self, n: int) -> int | None:
+        "The captured size a batch of `n` runs as, or None when it is larger than every graph."
+        return next((s for s in self.sizes if s >= n), None)
+
+    def load(self, meta: ForwardMeta) -> ForwardMeta:
+        "Copy a decode batch's metadata into the static buffers, padded with the dummy request to its bucket."
+        assert meta.phase == 'decode', 'graphs run decode steps only'
+        n, bs = meta.num_reqs, self.bucket(meta.num_reqs)
+        assert bs is not None, f'batch of {n} is larger than the largest graph ({self.max_bs})'
+        pad = dict(input_ids=0, positions=0, out_loc=self.table.dummy_loc, table_idx=self.table.dummy_row,
+                   prefix_lens=0, extend_lens=1, seq_lens=1)
+        for name, value in pad.items():
+            self.buf[name][:n].copy_(getattr(meta, name), non_blocking=True)
+            self.buf[name][n:bs].fill_(value)
+        return self._static_meta(bs)
+
+    def _static_meta(self, bs: int) -> ForwardMeta:
+        "The metadata a graph of size `bs` was captured with: views of the buffers, the longest possible sequence."
+        b = {k: v[:bs] for k, v in self.buf.items()}
+        return ForwardMeta('decode', b['input_ids'], b['positions'], b['out_loc'], b['table_idx'], b['prefix_lens'],
+                           b['extend_lens'], b['seq_lens'], b['last_indices'], self.table.table, bs, self.table.max_len, 1)
+
+    def capture(self):
+        "Record one graph per batch size, largest first, sharing one memory pool (CUDA only)."
+        pool = None
+        for bs in reversed(self.sizes):
+            meta = self._static_meta(bs)
+            self.backend.prepare(meta)
+            for _ in range(2): self.model.compute_logits(self.model(meta.input_ids, meta.positions, self.backend))   # warm up
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.logits[bs] = self.model.compute_logits(self.model(meta.input_ids, meta.positions, self.backend))
+            pool = g.pool(); self.graphs[bs] = g
+        torch.cuda.synchronize()
+
+    def replay(self, meta: ForwardMeta) -> torch.Tensor:
+        "Run a decode batch through its graph; returns fp32 logits `[num_reqs, vocab]`."
+        static = self.load(meta)
+        self.graphs[static.num_reqs].replay()
+        return self.logits[static.num_reqs][:meta.num_reqs]
