@@ -4,7 +4,7 @@
 
 # %% ../nbs/16_cli.ipynb #3b90080f
 from __future__ import annotations
-import argparse, dataclasses, functools, importlib.util, inspect, json, os, re, shutil, sys, tempfile, time, typing
+import argparse, contextlib, dataclasses, functools, importlib.util, inspect, io, json, os, re, shutil, sys, tempfile, time, typing
 from collections.abc import Sequence as _AbcSequence
 from pathlib import Path
 from typing import Any, Callable, Sequence, TextIO
@@ -63,7 +63,7 @@ def _write_conversion(gguf_file: Path, dest: Path, dtype: str):
 def convert_gguf(gguf_file: str | Path,       # a GGUF checkpoint of a Llama, Qwen2 or Qwen3 model
                  out_dir: str | Path,         # the model directory to write (created; reused when complete)
                  dtype: str = 'bfloat16',     # dtype of the saved weights: 'bfloat16', 'float16' or 'float32'
-                 verbose: bool = False,       # say on stderr when a conversion starts and ends
+                 verbose: bool = False,       # report on stderr (start, progress, time); silent otherwise
                 ) -> Path:
     "Convert a GGUF file once into a safetensors model directory; a complete conversion already there is reused."
     gguf_file, out_dir = Path(gguf_file).expanduser(), Path(out_dir).expanduser()
@@ -79,7 +79,8 @@ def convert_gguf(gguf_file: str | Path,       # a GGUF checkpoint of a Llama, Qw
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f'.{out_dir.name}.partial-', dir=out_dir.parent))
     try:
-        _write_conversion(gguf_file, tmp, dtype)
+        with contextlib.nullcontext() if verbose else contextlib.redirect_stderr(io.StringIO()):   # progress bars
+            _write_conversion(gguf_file, tmp, dtype)
         out_dir.mkdir(exist_ok=True)
         (out_dir/CONVERSION_STAMP).unlink(missing_ok=True)
         for f in tmp.iterdir(): os.replace(f, out_dir/f.name)
