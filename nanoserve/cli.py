@@ -201,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(p, sampling=False)
     p.add_argument('--host', default='127.0.0.1', help='address to listen on (default: 127.0.0.1)')
     p.add_argument('--port', type=int, default=8000, help='port to listen on (default: 8000)')
+    p.add_argument('--served-model-name', default=None, help='the model name clients send (default: MODEL as given)')
     command('bench', None, 'run the benchmarks (nanoserve bench --help lists their arguments)', add_help=False)
     p = command('convert-gguf', _convert, 'convert a GGUF file into a safetensors model directory (once)')
     p.add_argument('gguf', metavar='GGUF', help='the GGUF file (a Llama, Qwen2 or Qwen3 checkpoint)')
@@ -277,7 +278,8 @@ def _serve(args: argparse.Namespace) -> int:
     try: from nanoserve.server import run_server
     except ImportError as e: return _missing('serve', 'nanoserve.server', e)
     _quiet_transformers()
-    run_server(resolve_model(args.model, verbose=True), host=args.host, port=args.port, **engine)
+    run_server(resolve_model(args.model, verbose=True), host=args.host, port=args.port,
+               served_model_name=args.served_model_name or args.model, **engine)
     return 0
 
 def _bench(argv: list[str]) -> int:
