@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Sequence
 import torch
+import torch.distributed as dist
 from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from .req import Batch, Req, SamplingParams
 from .pages import PageAllocator, PageTable
@@ -58,6 +59,8 @@ class Worker:
             raise ValueError(f'max_model_len ({max_len}) exceeds the model\'s max_position_embeddings ({mc.max_position_embeddings})')
         self.model, _ = load_model(self.path, self.dtype, self.device, tp_rank, tp_size, max_positions=max_len + 1)
         self.num_pages = num_kv_pages(config, mc, self.dtype, self.device, tp_size)
+        if tp_size > 1:   # every rank must hold the same pages: the smallest pool decides (chapter 12)
+            n = torch.tensor([self.num_pages], device=self.device); dist.all_reduce(n, op=dist.ReduceOp.MIN); self.num_pages = int(n)
         self.max_model_len = min(max_len, self.num_pages * config.page_size)
         self.allocator = PageAllocator(self.num_pages, config.page_size)
         self.table = PageTable(config.max_running_requests, self.max_model_len, self.allocator, self.device)
@@ -71,13 +74,23 @@ class Worker:
     @torch.inference_mode()
     def forward(self, batch: Batch) -> list[int]:
         "Run a launched batch; one token per request (-1 where it samples nothing)."
+        return self.sample(batch, self.compute_logits(batch))
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: Batch) -> torch.Tensor | None:
+        "Run the model over the batch: logits of the requests that sample, or None. (Every TP rank runs this part.)"
         meta = build_metadata(batch, self.table)
         self.backend.prepare(meta)
         hidden = self.model(meta.input_ids, meta.positions, self.backend)
         rows = [i for i, s in enumerate(batch.samples) if s]
+        return self.model.compute_logits(hidden[meta.last_indices[rows]]) if rows else None
+
+    @torch.inference_mode()
+    def sample(self, batch: Batch, logits: torch.Tensor | None) -> list[int]:
+        "One token per request from the logits of those that sample, -1 for the others. (Only TP rank 0 samples.)"
         tokens = [-1] * batch.size
-        if not rows: return tokens
-        logits = self.model.compute_logits(hidden[meta.last_indices[rows]])
+        if logits is None: return tokens
+        rows = [i for i, s in enumerate(batch.samples) if s]
         reqs = [batch.reqs[i] for i in rows]
         out = self.sampler.sample(logits, SamplingBatch.from_reqs(reqs, logits.shape[-1], self.device, self.model_config.eos_token_ids))
         for i, r, t, lp in zip(rows, reqs, out.tokens.tolist(), out.host_logprobs()):
@@ -90,6 +103,7 @@ class Engine:
     "The worker and the scheduler in one process, stepped in a plain loop."
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.config = config or EngineConfig.from_kwargs(**kwargs)
+        if self.config.tensor_parallel_size > 1: raise ValueError('tensor_parallel_size > 1 runs one process per rank: use nanoserve.tp.TPEngine')
         self.worker = Worker(self.config)
         self.model_config = self.worker.model_config
         self.scheduler = Scheduler(self.worker.table, self.worker, self.config.max_prefill_tokens, self.worker.max_model_len,
