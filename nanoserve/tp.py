@@ -67,7 +67,7 @@ def dead_ranks(ranks: Sequence[LocalRank], wait_s: float = 1.0) -> TPError | Non
 
 def _wait_for_ranks(store: dist.Store, world_size: int, timeout_s: float, watch: Sequence[LocalRank]):
     "Rank 0: wait until every rank has joined the store, failing early if a watched rank process ends."
-    keys = [f'nanoserve/joined/{r}' for r in range(world_size)]
+    keys = [f'joined/{r}' for r in range(world_size)]
     deadline = time.monotonic() + timeout_s
     while not store.check(keys):
         if (dead := dead_ranks(watch, wait_s=0.05)) is not None: raise dead
@@ -92,8 +92,11 @@ def init_distributed(device: str = 'auto',                 # the engine's device
     if dev.type == 'cuda':
         dev = torch.device('cuda', local_rank); torch.cuda.set_device(dev)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(env['MASTER_ADDR'], int(env['MASTER_PORT']), world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
-    store.set(f'nanoserve/joined/{rank}', '1')
+    agent_store = env.get('TORCHELASTIC_USE_AGENT_STORE') == 'True'    # torchrun's agent already serves the store there
+    store = dist.TCPStore(env['MASTER_ADDR'], int(env['MASTER_PORT']), world_size, is_master=rank == 0 and not agent_store,
+                          timeout=timeout, wait_for_workers=False)
+    store = dist.PrefixStore(f"nanoserve/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)   # fresh keys on a restart
+    store.set(f'joined/{rank}', '1')
     if rank == 0: _wait_for_ranks(store, world_size, timeout_s, watch)
     dist.init_process_group('nccl' if dev.type == 'cuda' else 'gloo', store=store, rank=rank, world_size=world_size, timeout=timeout)
     control = dist.new_group(backend='gloo', timeout=_IDLE_TIMEOUT)
@@ -353,6 +356,7 @@ class TPEngine(Engine):
             if r.process.is_alive(): r.process.kill(); r.process.join(5)
         if dist.is_initialized(): dist.destroy_process_group()
         if self.leader is not None and self.leader.error is None: self.leader.error = TPError('the engine is closed')
+        gc.collect()   # free the old groups now, in the process that owns their threads (see `_rank_main`)
 
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
