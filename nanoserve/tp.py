@@ -171,7 +171,14 @@ class StepMessage:
         reqs, offset = [], 0
         for row, start, n in zip(self.rows, self.start_lens, self.extend_lens):
             reqs.append(_FollowerReq(row, _StepIds(start, self.input_ids[offset:offset + n]))); offset += n
-        return Batch(reqs, self.phase, list(self.extend_lens), list(self.start_lens), list(self.samples))
+        return Batch(reqs, self.phase, list(self.extend_lens), list(self.start_lens), list(self.samples), [0] * len(reqs))
+
+    def apply(self, table: PageTable):
+        "Write the step's page-table changes, and its input ids into the token pool, on a follower's table."
+        for row, start, locs in self.updates: table.write(row, start, locs)
+        offset = 0
+        for row, start, n in zip(self.rows, self.start_lens, self.extend_lens):
+            table.write_tokens(row, start, self.input_ids[offset:offset + n]); offset += n
 
 # %% ../nbs/12_tp.ipynb #f6668978
 class PageTableMirror:
@@ -214,7 +221,7 @@ class Follower:
 
     def step(self, msg: StepMessage):
         "Mirror the page-table writes, run the same forward pass as rank 0, and take the tokens it sampled."
-        for row, start, locs in msg.updates: self.worker.table.write(row, start, locs)
+        msg.apply(self.worker.table)
         self.worker.table.sync()
         batch = msg.batch()
         self.worker.compute_logits(batch)
