@@ -401,8 +401,9 @@ class SchedulerWorker:
         self.stall += msg.stall
         if msg.step_delay is not None: self.step_delay = msg.step_delay
         if msg.leak_pages is not None and self.scheduler is not None:
-            alloc = self.scheduler.allocator
+            alloc, cache = self.scheduler.allocator, self.scheduler.cache
             if self._leaked: alloc.free(self._leaked)
+            if cache is not None and msg.leak_pages > alloc.num_free: cache.evict(msg.leak_pages - alloc.num_free)
             self._leaked = alloc.allocate(min(msg.leak_pages, alloc.num_free))
 
     def step(self) -> list[TokenOut]:
@@ -592,8 +593,8 @@ async def unless_disconnected(request: Request, aw):
 
 class Generation:
     "The backend requests of one HTTP request, and their replies as they arrive."
-    def __init__(self, frontend: Frontend, reqs: list[GenerateReq], n: int):
-        self.frontend, self.reqs, self.n = frontend, reqs, n
+    def __init__(self, frontend: Frontend, reqs: list[GenerateReq], n: int, kind: str = 'completion'):
+        self.frontend, self.reqs, self.n, self.kind = frontend, reqs, n, kind
         self.queue: asyncio.Queue = asyncio.Queue()
         self.offset = {r.rid: i * n for i, r in enumerate(reqs)}
         self.unfinished = set(range(len(reqs) * n))            # choice indices
@@ -626,7 +627,9 @@ class Generation:
     async def next(self) -> TextOut:
         "The next reply; `ApiError` if the request failed."
         item = await self.queue.get()
-        if isinstance(item, ErrorOut): raise ApiError(item.status, item.message, item.param, item.code)
+        if isinstance(item, ErrorOut):   # completions call the prompt `prompt`, whichever of its prompts was too long
+            ctx = item.code == 'context_length_exceeded' and self.kind == 'completion'
+            raise ApiError(item.status, item.message, 'prompt' if ctx else item.param, item.code)
         if item.finish_reason is not None: self.unfinished.discard(item.index)
         return item
 
@@ -701,12 +704,12 @@ class Frontend:
         if self.drain_deadline is not None: return 'the server is shutting down (draining the requests in flight)'
         return self.stalled
 
-    def generate(self, reqs: list[GenerateReq], n: int) -> Generation:
+    def generate(self, reqs: list[GenerateReq], n: int, kind: str = 'completion') -> Generation:
         "Start generating; replies arrive in the returned `Generation`."
         reason = self.unavailable()
         if reason: raise ApiError(503, reason)
         data = [_encode_request(r) for r in reqs]      # a value msgpack cannot carry is the request's fault: 400
-        gen = Generation(self, reqs, n)
+        gen = Generation(self, reqs, n, kind)
         for r, d in zip(reqs, data):
             self.routes[r.rid] = gen
             self.send(r, d)
@@ -890,21 +893,22 @@ def build_app(frontend: Frontend) -> FastAPI:
     if frontend.debug_hooks:      # tests only: the route does not exist otherwise
         @app.post('/debug/inject', include_in_schema=False)
         async def debug_inject(request: Request):
-            try: msg = DebugReq(**await request.json())
+            "Faults for tests: `DebugReq` fields go to the scheduler; `watchdog_timeout` changes this process's watchdog."
+            try:
+                body = dict(await request.json())
+                if 'watchdog_timeout' in body: frontend.watchdog_timeout = float(body.pop('watchdog_timeout'))
+                msg = DebugReq(**body) if body else None
             except (TypeError, ValueError) as e: raise ApiError(400, f'bad debug request: {e}') from None
-            frontend.send(msg)
-            return {'sent': asdict(msg)}
+            if msg is not None: frontend.send(msg)
+            return {'sent': asdict(msg) if msg else None, 'watchdog_timeout': frontend.watchdog_timeout}
 
     async def run(request: Request, body, reqs: list[GenerateReq], sp: SamplingParams, kind: str):
         want_lp = (body.logprobs if kind == 'chat' else body.logprobs is not None)
         fmt = ResponseFormat(kind, frontend.model_name, want_lp, bool(body.stream_options and body.stream_options.include_usage))
-        gen = frontend.generate(reqs, sp.n)
+        gen = frontend.generate(reqs, sp.n, kind)
         try: first = await unless_disconnected(request, gen.next())   # errors before any token are plain HTTP errors
         except ClientDisconnected: gen.close(); return Response(status_code=499)
-        except ApiError as e:
-            gen.close()
-            if e.code == 'context_length_exceeded' and kind == 'completion': e.param = 'prompt'
-            raise
+        except ApiError: gen.close(); raise
         except BaseException: gen.close(); raise
         if body.stream:
             return _EventStream(_events(first, gen, fmt, len(reqs) * sp.n), gen.close)
@@ -1139,8 +1143,10 @@ def free_port(host: str = '127.0.0.1') -> int:
 
 class ServerProcess:
     "`run_server` in a child process: `with ServerProcess(model, **engine_kwargs) as s: ... s.url ...`."
-    def __init__(self, model: str, host: str = '127.0.0.1', port: int | None = None, startup_timeout: float = 300.0, **kwargs):
-        self.host, self.port = host, port or free_port(host)
+    def __init__(self, model: str, host: str = '127.0.0.1', port: int | None = None, startup_timeout: float = 300.0,
+                 stderr=None,      # where the server's log goes (a file object); None: this process's stderr
+                 **kwargs):
+        self.host, self.port, self.stderr = host, port or free_port(host), stderr
         self.url = f'http://{host}:{self.port}'
         self.kwargs = dict(model=model, host=host, port=self.port, **kwargs)
         self.startup_timeout = startup_timeout
@@ -1150,7 +1156,7 @@ class ServerProcess:
         "Start the server and wait until it is healthy; `RuntimeError` if it exits or times out first."
         import urllib.request, urllib.error
         code = 'import json, sys; from nanoserve.server import run_server; run_server(**json.loads(sys.argv[1]))'
-        self.proc = subprocess.Popen([sys.executable, '-c', code, json.dumps(self.kwargs)])
+        self.proc = subprocess.Popen([sys.executable, '-c', code, json.dumps(self.kwargs)], stderr=self.stderr)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None: raise RuntimeError(f'the server exited during startup (exit code {self.proc.returncode})')
