@@ -19,12 +19,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .req import MAX_LOGPROBS, SamplingParams
 
 # %% auto #0
-__all__ = ['CONTEXT_ERROR', 'SSE_DONE', 'message', 'encode', 'decode', 'GenerateReq', 'AbortReq', 'TokenizedReq', 'TokenOut',
-           'ErrorOut', 'StepOut', 'TextOut', 'ReplyOut', 'ApiError', 'error_from_value', 'StreamOptions',
-           'CompletionRequest', 'ChatCompletionRequest', 'sampling_params_from', 'TokenizerWorker', 'build_engine',
-           'SchedulerWorker', 'sse', 'Choice', 'ResponseFormat', 'usage_dict', 'ServerMetrics', 'ClientDisconnected',
-           'unless_disconnected', 'Generation', 'Frontend', 'build_app', 'WorkerStartError', 'Workers', 'run_server',
-           'free_port', 'ServerProcess']
+__all__ = ['CONTEXT_ERROR', 'MAX_N', 'MAX_PROMPTS', 'SSE_DONE', 'HEARTBEAT_S', 'message', 'encode', 'decode', 'GenerateReq',
+           'AbortReq', 'DebugReq', 'TokenizedReq', 'TokenOut', 'ErrorOut', 'StepOut', 'TextOut', 'ReplyOut', 'ApiError',
+           'error_from_value', 'StreamOptions', 'CompletionRequest', 'ChatCompletionRequest', 'sampling_params_from',
+           'TokenizerWorker', 'build_engine', 'IntegrityError', 'integrity_mode', 'SchedulerWorker', 'sse', 'Choice',
+           'ResponseFormat', 'usage_dict', 'ServerMetrics', 'ClientDisconnected', 'unless_disconnected', 'Generation',
+           'Frontend', 'build_app', 'WorkerStartError', 'Workers', 'run_server', 'free_port', 'ServerProcess']
 
 # %% ../nbs/14_server.ipynb #06efe8b5
 _MESSAGES: dict[str, type] = {}
@@ -38,6 +38,7 @@ def message(cls):
 def _pack(obj):
     if is_dataclass(obj) and _MESSAGES.get(type(obj).__name__) is type(obj):
         return {'__type__': type(obj).__name__, **{f.name: getattr(obj, f.name) for f in fields(obj)}}
+    if isinstance(obj, int): raise OverflowError(f'the integer {obj} does not fit in 64 bits')
     raise TypeError(f'cannot encode a {type(obj).__name__}: not a registered message')
 
 def _unpack(d: dict):
@@ -67,6 +68,13 @@ class AbortReq:
     "Stop request `rid`: all its choices, or only choice `index` when `index >= 0`."
     rid: str
     index: int = -1
+
+@message
+class DebugReq:
+    "API -> tokenizer -> scheduler, only on a server started with `debug_hooks`: a fault injected by a test."
+    stall: float = 0.0                 # freeze the scheduler loop once, this many seconds (no steps, no heartbeat)
+    step_delay: float | None = None    # from now on, sleep this long before each engine step (None: unchanged)
+    leak_pages: int | None = None      # hold this many pages that no request owns (a simulated leak); 0 returns them
 
 @message
 class TokenizedReq:
@@ -100,7 +108,8 @@ class StepOut:
     "Scheduler -> detokenizer: one step's new tokens, the requests refused, and the scheduler's counters."
     outputs: list = field(default_factory=list)   # TokenOut
     errors: list = field(default_factory=list)    # ErrorOut
-    stats: dict | None = None                     # sent when they changed
+    stats: dict | None = None                     # sent after every step, and at least every `HEARTBEAT_S` (a heartbeat)
+    fatal: str | None = None                      # the error that is about to end the scheduler process
 
 @message
 class TextOut:
@@ -121,6 +130,7 @@ class ReplyOut:
     outputs: list = field(default_factory=list)   # TextOut
     errors: list = field(default_factory=list)    # ErrorOut
     stats: dict | None = None
+    fatal: str | None = None
 
 # %% ../nbs/14_server.ipynb #9a9747ae
 class ApiError(Exception):
@@ -197,6 +207,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Any = None
     response_format: dict | None = None
 
+MAX_N, MAX_PROMPTS = 128, 2048
+
 def _refuse_unsupported(body: _SamplingRequest):
     "400 for fields whose meaning nanoserve does not implement."
     bad = [('logit_bias', bool(body.logit_bias))]
@@ -211,6 +223,7 @@ def _refuse_unsupported(body: _SamplingRequest):
 def sampling_params_from(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
     "The request's `SamplingParams`; `ApiError` 400 naming the field for a bad or unsupported value."
     _refuse_unsupported(body)
+    if body.n > MAX_N: raise ApiError(400, f'n must be <= {MAX_N}, got {body.n}', 'n')
     chat = isinstance(body, ChatCompletionRequest)
     rename = {}
     if chat:
@@ -309,7 +322,7 @@ class TokenizerWorker:
             outs.append(TextOut(t.rid, t.index, text, t.token_ids, lps, finish, stop_reason, t.prompt_len, t.cached_len))
             if finish is not None: self.forget(t.rid, t.index)
         for e in step.errors: self.forget(e.rid)
-        return ReplyOut(outs, step.errors, step.stats), aborts
+        return ReplyOut(outs, step.errors, step.stats, step.fatal), aborts
 
 # %% ../nbs/14_server.ipynb #bbdd9f0d
 def build_engine(model: str, **engine_kwargs):
@@ -318,22 +331,39 @@ def build_engine(model: str, **engine_kwargs):
     from nanoserve.llm import make_engine
     return make_engine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
 
+def _log(msg: str): print(f'nanoserve: {msg}', file=sys.stderr, flush=True)
+
+class IntegrityError(AssertionError): "The page accounting is broken at idle: a page lost, leaked or owned twice."
+
+def integrity_mode(mode: str | None = None) -> str:
+    "What a failed idle check does: `mode`, else `$NANOSERVE_INTEGRITY_CHECK`, else 'warn' (the other choice: 'raise')."
+    mode = mode or os.environ.get('NANOSERVE_INTEGRITY_CHECK') or 'warn'
+    if mode not in ('warn', 'raise'): raise ValueError(f"integrity_check must be 'warn' or 'raise', got {mode!r}")
+    return mode
+
 class SchedulerWorker:
     "The scheduler process's logic: admit and abort requests, step the engine, report tokens and counters."
-    def __init__(self, engine):
+    def __init__(self, engine,
+                 integrity_check: str | None = None,   # 'warn' or 'raise' (see `integrity_mode`)
+                 debug_hooks: bool = False):           # obey `DebugReq`s (tests only)
         self.engine = engine
         self.choices: dict[str, list] = {}     # rid -> the engine uids of its unfinished choices
         self.sent: dict = {}                   # engine uid -> output tokens already reported
-        self.generated_tokens = self.aborted = 0       # totals, for metrics and tests
-        self.integrity = 'ok'
+        self.generated_tokens = self.aborted = self.steps = 0      # totals, for metrics and tests
+        self.integrity, self.integrity_violations = 'ok', 0
+        self.integrity_check = integrity_mode(integrity_check)
         self._checked = True                   # the integrity check ran since the engine last did anything
         self.scheduler = getattr(engine, 'scheduler', None)
+        self.debug_hooks = debug_hooks
+        self.stall, self.step_delay = 0.0, 0.0 # injected: a one-off freeze, a delay before every step (seconds)
+        self._leaked: list[int] = []           # injected: pages held by nobody
 
     def handle(self, msg) -> ErrorOut | None:
         "Take one message from the tokenizer process."
         self._checked = False
         if isinstance(msg, TokenizedReq): return self.add(msg)
         if isinstance(msg, AbortReq): self.abort(msg.rid, msg.index); return None
+        if isinstance(msg, DebugReq): self.debug(msg); return None
         raise TypeError(f'scheduler: unexpected message {type(msg).__name__}')
 
     def add(self, msg: TokenizedReq) -> ErrorOut | None:
@@ -365,9 +395,21 @@ class SchedulerWorker:
         if not self.choices[rid]: del self.choices[rid]
         self.sent.pop(uid, None)
 
+    def debug(self, msg: DebugReq):
+        "Apply an injected fault; ignored unless the worker was made with `debug_hooks`."
+        if not self.debug_hooks: _log('scheduler: ignored a debug request (the server runs without debug hooks)'); return
+        self.stall += msg.stall
+        if msg.step_delay is not None: self.step_delay = msg.step_delay
+        if msg.leak_pages is not None and self.scheduler is not None:
+            alloc, cache = self.scheduler.allocator, self.scheduler.cache
+            if self._leaked: alloc.free(self._leaked)
+            if cache is not None and msg.leak_pages > alloc.num_free: cache.evict(msg.leak_pages - alloc.num_free)
+            self._leaked = alloc.allocate(min(msg.leak_pages, alloc.num_free))
+
     def step(self) -> list[TokenOut]:
         "One engine step; the new tokens of every choice that advanced."
         self._checked = False
+        if self.step_delay: time.sleep(self.step_delay)
         outs = []
         for req in self.engine.step():
             if req.uid not in self.sent: continue
@@ -381,27 +423,31 @@ class SchedulerWorker:
             self.sent[req.uid] = start + len(new)
             self.generated_tokens += len(new)
             if finish is not None: self._done(req.uid)
+        self.steps += 1
         return outs
 
     @property
     def busy(self) -> bool: return self.engine.has_unfinished
 
     def check_idle(self):
-        "Once per idle period: check that every page is accounted for."
+        "Once per idle period: check that every page is accounted for; a failure is logged and counted, or raised."
         if self._checked or self.busy or self.scheduler is None: return
         self._checked = True
         try: self.scheduler.check_integrity(); self.integrity = 'ok'
-        except AssertionError as e: self.integrity = f'failed: {e}'
+        except AssertionError as e:
+            self.integrity, self.integrity_violations = f'failed: {e}', self.integrity_violations + 1
+            if self.integrity_check == 'raise': raise IntegrityError(f'the idle integrity check failed: {e}') from e
+            _log(f'WARNING: the idle integrity check failed: {e} ({self.integrity_violations} so far); still serving')
 
     def stats(self) -> dict:
         "Counters for `/metrics`."
         s = dict(self.scheduler.stats()) if self.scheduler is not None else {}
         if self.scheduler is not None: s['num_pages'] = self.scheduler.allocator.num_pages
-        s.update(generated_tokens=self.generated_tokens,
-                 aborted=self.aborted, integrity=self.integrity)
+        s.update(generated_tokens=self.generated_tokens, aborted=self.aborted, steps=self.steps,
+                 integrity=self.integrity, integrity_violations=self.integrity_violations)
         return s
 
-# %% ../nbs/14_server.ipynb #c0f43258
+# %% ../nbs/14_server.ipynb #f129d670
 def sse(data: dict | str) -> str:
     "One server-sent event."
     return f'data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n'
@@ -478,7 +524,7 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
     return {'prompt_tokens': prompt_tokens, 'completion_tokens': completion_tokens, 'total_tokens': prompt_tokens + completion_tokens,
             'prompt_tokens_details': {'cached_tokens': cached_tokens}}
 
-# %% ../nbs/14_server.ipynb #d7c6ed9f
+# %% ../nbs/14_server.ipynb #e8b7e8f6
 class _SchedulerCollector:
     "Prometheus metrics read from the scheduler's latest counters at scrape time."
     def __init__(self, model: str, stats: Callable[[], dict]): self.model, self.stats = model, stats
@@ -498,7 +544,8 @@ class _SchedulerCollector:
             (CounterMetricFamily, 'prefix_cache_hits', 'Prompt tokens found in the prefix cache.', hits),
             (CounterMetricFamily, 'num_preemptions', 'Requests retracted to free KV pages.', s.get('retractions', 0)),
             (CounterMetricFamily, 'num_aborted_requests', 'Requests stopped before they finished (client gone, stop string).', s.get('aborted', 0)),
-            (GaugeMetricFamily, 'integrity_ok', 'Whether the last idle check of the page accounting passed.', float(s.get('integrity', 'ok') == 'ok'))]:
+            (GaugeMetricFamily, 'integrity_ok', 'Whether the last idle check of the page accounting passed.', float(s.get('integrity', 'ok') == 'ok')),
+            (CounterMetricFamily, 'integrity_violations', 'Idle checks of the page accounting that failed.', s.get('integrity_violations', 0))]:
             m = kind(f'nanoserve:{name}', doc, labels=['model_name'])
             m.add_metric([self.model], value)
             yield m
@@ -520,6 +567,7 @@ class ServerMetrics:
         self.ttft = Histogram('nanoserve:time_to_first_token_seconds', 'Time to first token.', lab, buckets=_TTFT_BUCKETS, registry=r).labels(model)
         self.itl = Histogram('nanoserve:inter_token_latency_seconds', 'Time between tokens of a choice.', lab, buckets=_ITL_BUCKETS, registry=r).labels(model)
         self.e2e = Histogram('nanoserve:e2e_request_latency_seconds', 'Time from arrival to the last token.', lab, buckets=_E2E_BUCKETS, registry=r).labels(model)
+        self.watchdog_stalls = Counter('nanoserve:watchdog_stalls', 'Times the scheduler made no progress for the watchdog timeout while requests were open.', lab, registry=r).labels(model)
         r.register(_SchedulerCollector(model, stats))
 
     def finished(self, reason: str): self.request_success.labels(self.model, reason).inc()
@@ -528,7 +576,7 @@ class ServerMetrics:
         from prometheus_client import generate_latest
         return generate_latest(self.registry)
 
-# %% ../nbs/14_server.ipynb #05eb5e79
+# %% ../nbs/14_server.ipynb #1cca5053
 class ClientDisconnected(Exception): "The client went away before the answer was ready."
 
 async def _until_disconnected(request: Request):
@@ -545,8 +593,8 @@ async def unless_disconnected(request: Request, aw):
 
 class Generation:
     "The backend requests of one HTTP request, and their replies as they arrive."
-    def __init__(self, frontend: Frontend, reqs: list[GenerateReq], n: int):
-        self.frontend, self.reqs, self.n = frontend, reqs, n
+    def __init__(self, frontend: Frontend, reqs: list[GenerateReq], n: int, kind: str = 'completion'):
+        self.frontend, self.reqs, self.n, self.kind = frontend, reqs, n, kind
         self.queue: asyncio.Queue = asyncio.Queue()
         self.offset = {r.rid: i * n for i, r in enumerate(reqs)}
         self.unfinished = set(range(len(reqs) * n))            # choice indices
@@ -579,7 +627,9 @@ class Generation:
     async def next(self) -> TextOut:
         "The next reply; `ApiError` if the request failed."
         item = await self.queue.get()
-        if isinstance(item, ErrorOut): raise ApiError(item.status, item.message, item.param, item.code)
+        if isinstance(item, ErrorOut):   # completions call the prompt `prompt`, whichever of its prompts was too long
+            ctx = item.code == 'context_length_exceeded' and self.kind == 'completion'
+            raise ApiError(item.status, item.message, 'prompt' if ctx else item.param, item.code)
         if item.finish_reason is not None: self.unfinished.discard(item.index)
         return item
 
@@ -601,8 +651,6 @@ class Generation:
             base = self.offset[r.rid]
             if any(base + k in self.unfinished for k in range(self.n)): self.frontend.send(AbortReq(r.rid))
 
-def _log(msg: str): print(f'nanoserve: {msg}', file=sys.stderr, flush=True)
-
 def _exit_words(code: int) -> str:
     "How a process ended, in words."
     if code < 0:
@@ -611,16 +659,24 @@ def _exit_words(code: int) -> str:
     return f'exited unexpectedly with exit code {code}'
 
 class Frontend:
-    "The API server's side of the processes: sends requests, routes replies, watches the workers."
-    def __init__(self, model_name: str, ipc: dict[str, str], info: dict | None = None, workers: Workers | None = None):
+    "The API server's side of the processes: sends requests, routes replies, watches the workers and the scheduler."
+    def __init__(self, model_name: str, ipc: dict[str, str], info: dict | None = None, workers: Workers | None = None,
+                 watchdog_timeout: float = 60.0,    # seconds without scheduler progress, with requests open, before 503s; 0: off
+                 debug_hooks: bool = False):        # serve `POST /debug/inject` (tests only)
         self.model_name, self.ipc, self.info, self.workers = model_name, ipc, info or {}, workers
+        self.watchdog_timeout, self.debug_hooks = watchdog_timeout, debug_hooks
         self.routes: dict[str, Generation] = {}     # backend rid -> its generation
         self.stats: dict = {}                       # the scheduler's latest counters
         self.fatal: str | None = None               # why the server cannot serve any more
-        self.on_fatal: Callable[[], None] | None = None
+        self.stalled: str | None = None             # why the watchdog thinks the scheduler is stuck
+        self.drain_deadline: float | None = None    # set by SIGTERM: when draining gives up
+        self.on_fatal: Callable[[], None] | None = None   # stop the server (after a fatal error)
+        self.on_drained: Callable[[], None] | None = None # stop the server (draining is over)
         self.metrics = ServerMetrics(model_name, lambda: self.stats)
         self.created = int(time.time())
         self.log_interval = 10.0                    # seconds between throughput log lines while busy; 0: none
+        self.last_progress = time.monotonic()       # when the scheduler last stepped or said it was idle
+        self._steps = None
         self._tasks: list[asyncio.Task] = []
 
     @asynccontextmanager
@@ -629,6 +685,7 @@ class Frontend:
         self._sync_ctx, self._ctx = zmq.Context(), zmq.asyncio.Context()
         self._push = self._sync_ctx.socket(zmq.PUSH); self._push.setsockopt(zmq.LINGER, 0); self._push.connect(self.ipc['tokenizer'])
         self._pull = self._ctx.socket(zmq.PULL); self._pull.setsockopt(zmq.LINGER, 0); self._pull.bind(self.ipc['api'])
+        self.last_progress = time.monotonic()
         self._tasks = [asyncio.create_task(self._listen()), asyncio.create_task(self._watch())]
         try: yield
         finally:
@@ -636,42 +693,88 @@ class Frontend:
             await asyncio.gather(*self._tasks, return_exceptions=True)
             self._push.close(); self._pull.close(); self._sync_ctx.term(); self._ctx.term()
 
-    def send(self, msg):
-        "Send a message to the tokenizer process (never blocks: a full queue means a stuck worker)."
-        try: self._push.send(encode(msg), flags=zmq.NOBLOCK)
+    def send(self, msg, data: bytes | None = None):
+        "Send a message (or its bytes) to the tokenizer process (never blocks: a full queue means a stuck worker)."
+        try: self._push.send(encode(msg) if data is None else data, flags=zmq.NOBLOCK)
         except zmq.Again: self.die('the tokenizer process is not taking requests')
 
-    def generate(self, reqs: list[GenerateReq], n: int) -> Generation:
+    def unavailable(self) -> str | None:
+        "Why new requests are refused with a 503 now: a dead worker, a stuck scheduler, or draining; None if serving."
+        if self.fatal: return self.fatal
+        if self.drain_deadline is not None: return 'the server is shutting down (draining the requests in flight)'
+        return self.stalled
+
+    def generate(self, reqs: list[GenerateReq], n: int, kind: str = 'completion') -> Generation:
         "Start generating; replies arrive in the returned `Generation`."
-        if self.fatal: raise ApiError(503, self.fatal)
-        gen = Generation(self, reqs, n)
-        for r in reqs:
+        reason = self.unavailable()
+        if reason: raise ApiError(503, reason)
+        data = [_encode_request(r) for r in reqs]      # a value msgpack cannot carry is the request's fault: 400
+        gen = Generation(self, reqs, n, kind)
+        for r, d in zip(reqs, data):
             self.routes[r.rid] = gen
-            self.send(r)
+            self.send(r, d)
         return gen
+
+    def start_drain(self, timeout: float):
+        "Begin draining (called from the SIGTERM handler: it only sets the deadline; the watchdog does the rest)."
+        if self.drain_deadline is None: self.drain_deadline = time.monotonic() + timeout
 
     async def _listen(self):
         try:
             while True:
                 msg: ReplyOut = decode(await self._pull.recv())
-                if msg.stats is not None: self.stats = msg.stats
+                if msg.stats is not None: self._progress(msg.stats)
                 for item in msg.outputs + msg.errors:
                     gen = self.routes.get(item.rid)
                     if gen is not None: gen.feed(item)
+                if msg.fatal: self.die(f'the scheduler process failed: {msg.fatal}')
         except Exception as e:   # without the listener no reply would ever arrive: never hang, stop
             self.die(f'the API server stopped reading replies ({type(e).__name__}: {e})')
 
+    def _progress(self, stats: dict):
+        "Take the scheduler's counters; it made progress if it stepped or has nothing to do."
+        self.stats = stats
+        if stats.get('steps') != self._steps or not (stats.get('running') or stats.get('waiting')):
+            self.last_progress = time.monotonic()
+        self._steps = stats.get('steps')
+
     async def _watch(self):
-        "Watch the workers; every `log_interval` seconds of activity, log the scheduler's counters."
-        last_log, last_tokens = time.monotonic(), 0
+        "Every 100 ms: watch the workers, the scheduler's progress and a drain; every `log_interval` s of activity, log."
+        last_log, last_tokens, drain_logged = time.monotonic(), 0, False
         while self.fatal is None:
             dead = self.workers.dead() if self.workers is not None else None
-            if dead: self.die(f'the {dead[0]} process {_exit_words(dead[1])}')
+            if dead: self.die(f'the {dead[0]} process {_exit_words(dead[1])}'); break
             now = time.monotonic()
+            self._check_progress(now)
+            if self.drain_deadline is not None:
+                if not drain_logged:
+                    _log(f'SIGTERM: draining {len(self.routes)} open request(s), for at most {max(0.0, self.drain_deadline - now):.0f} s'); drain_logged = True
+                if not self.routes or now >= self.drain_deadline:
+                    if self.routes:
+                        _log(f'drain deadline reached: ending {len(self.routes)} open request(s) with a 503')
+                        self.fail_all(503, 'the server is shutting down (drain deadline reached)')
+                    else: _log('drained: no request in flight')
+                    if self.on_drained: self.on_drained()
+                    break
             if self.log_interval and now - last_log >= self.log_interval:
                 last_tokens = self._log_stats(now - last_log, last_tokens)
                 last_log = now
             await asyncio.sleep(0.1)
+
+    def _check_progress(self, now: float):
+        "The watchdog proper: requests open and no scheduler progress for `watchdog_timeout` s means stuck."
+        if not self.watchdog_timeout: return
+        quiet = now - self.last_progress
+        if quiet > self.watchdog_timeout and self.routes:
+            if self.stalled is None:
+                s = self.stats
+                self.stalled = (f'the scheduler has made no progress for {self.watchdog_timeout:g} s with {len(self.routes)} '
+                                f"request(s) open (running {s.get('running', 0)}, waiting {s.get('waiting', 0)})")
+                _log(f'ERROR: watchdog: {self.stalled}')
+                self.metrics.watchdog_stalls.inc()
+        elif self.stalled is not None and quiet <= self.watchdog_timeout:
+            _log('watchdog: the scheduler is making progress again; serving')
+            self.stalled = None
 
     def _log_stats(self, seconds: float, last_tokens: int) -> int:
         "Log throughput and load if anything happened; returns the token count to compare with next time."
@@ -701,7 +804,17 @@ class Frontend:
         if model is not None and model != self.model_name:
             raise ApiError(404, f'The model `{model}` does not exist.', 'model', 'model_not_found')
 
-# %% ../nbs/14_server.ipynb #1cca5053
+def _encode_request(req: GenerateReq) -> bytes:
+    "The request as bytes; `ApiError` 400 naming the field whose value msgpack cannot carry (a huge integer, a lone surrogate)."
+    try: return encode(req)
+    except (OverflowError, UnicodeError, TypeError, ValueError) as e:
+        why = f'the text is not valid Unicode ({e.reason})' if isinstance(e, UnicodeError) else str(e)
+        for name, value in [*req.params.items(), ('prompt', req.prompt), ('prompt', req.prompt_ids), ('messages', req.messages)]:
+            try: encode(value)
+            except Exception: raise ApiError(400, f'{name}: {why}', name) from None
+        raise ApiError(400, why) from None
+
+# %% ../nbs/14_server.ipynb #6a743ddf
 class _EventStream(StreamingResponse):
     "An SSE response that runs `on_close` however it ends (finished, failed, or the client went away)."
     def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
@@ -740,7 +853,7 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, f"{param + ': ' if param else ''}{'; or '.join(msgs)}", param)
 
 def build_app(frontend: Frontend) -> FastAPI:
-    "The FastAPI app: OpenAI's routes, `/health`, `/metrics`, and `/debug/state`."
+    "The FastAPI app: OpenAI's routes, `/health`, `/metrics`, `/debug/state` (and `/debug/inject` with debug hooks)."
     app = FastAPI(title='nanoserve', lifespan=frontend.lifespan)
 
     @app.exception_handler(ApiError)
@@ -757,7 +870,8 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     @app.get('/health')
     async def health():
-        if frontend.fatal: return ApiError(503, frontend.fatal).response()
+        reason = frontend.unavailable()
+        if reason: return ApiError(503, reason).response()
         return {'status': 'ok'}
 
     @app.get('/v1/models')
@@ -773,18 +887,28 @@ def build_app(frontend: Frontend) -> FastAPI:
     @app.get('/debug/state')
     async def debug_state():
         return {'stats': frontend.stats, 'open_requests': len(frontend.routes), 'fatal': frontend.fatal,
+                'stalled': frontend.stalled, 'draining': frontend.drain_deadline is not None,
                 'pids': frontend.workers.pids() if frontend.workers else {}}
+
+    if frontend.debug_hooks:      # tests only: the route does not exist otherwise
+        @app.post('/debug/inject', include_in_schema=False)
+        async def debug_inject(request: Request):
+            "Faults for tests: `DebugReq` fields go to the scheduler; `watchdog_timeout` changes this process's watchdog."
+            try:
+                body = dict(await request.json())
+                if 'watchdog_timeout' in body: frontend.watchdog_timeout = float(body.pop('watchdog_timeout'))
+                msg = DebugReq(**body) if body else None
+            except (TypeError, ValueError) as e: raise ApiError(400, f'bad debug request: {e}') from None
+            if msg is not None: frontend.send(msg)
+            return {'sent': asdict(msg) if msg else None, 'watchdog_timeout': frontend.watchdog_timeout}
 
     async def run(request: Request, body, reqs: list[GenerateReq], sp: SamplingParams, kind: str):
         want_lp = (body.logprobs if kind == 'chat' else body.logprobs is not None)
         fmt = ResponseFormat(kind, frontend.model_name, want_lp, bool(body.stream_options and body.stream_options.include_usage))
-        gen = frontend.generate(reqs, sp.n)
+        gen = frontend.generate(reqs, sp.n, kind)
         try: first = await unless_disconnected(request, gen.next())   # errors before any token are plain HTTP errors
         except ClientDisconnected: gen.close(); return Response(status_code=499)
-        except ApiError as e:
-            gen.close()
-            if e.code == 'context_length_exceeded' and kind == 'completion': e.param = 'prompt'
-            raise
+        except ApiError: gen.close(); raise
         except BaseException: gen.close(); raise
         if body.stream:
             return _EventStream(_events(first, gen, fmt, len(reqs) * sp.n), gen.close)
@@ -802,6 +926,7 @@ def build_app(frontend: Frontend) -> FastAPI:
         p = body.prompt
         prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
         if not prompts: raise ApiError(400, 'prompt: the prompt is empty', 'prompt')
+        if len(prompts) > MAX_PROMPTS: raise ApiError(400, f'prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}', 'prompt')
         params = asdict(sp)
         reqs = [GenerateReq(f'cmpl-{uuid.uuid4().hex}', params, **({'prompt': q} if isinstance(q, str) else {'prompt_ids': q}))
                 for q in prompts]
@@ -816,7 +941,7 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     return app
 
-# %% ../nbs/14_server.ipynb #b25cfde9
+# %% ../nbs/14_server.ipynb #c3a7e3af
 def _parent_alive(parent_pid: int) -> bool: return os.getppid() == parent_pid
 
 def _send(sock: zmq.Socket, msg, parent_pid: int):
@@ -828,26 +953,34 @@ def _send(sock: zmq.Socket, msg, parent_pid: int):
             if not _parent_alive(parent_pid): sys.exit(0)
             time.sleep(0.01)
 
-def _scheduler_main(ready, parent_pid: int, model: str, engine_kwargs: dict, ipc: dict):
+HEARTBEAT_S = 0.5   # the idle scheduler reports its counters at least this often
+
+def _scheduler_main(ready, parent_pid: int, model: str, engine_kwargs: dict, ipc: dict,
+                    integrity_check: str | None = None, debug_hooks: bool = False):
     "The scheduler process: the engine, stepped while requests are unfinished."
-    worker = SchedulerWorker(build_engine(model, **engine_kwargs))
+    worker = SchedulerWorker(build_engine(model, **engine_kwargs), integrity_check, debug_hooks)
     ctx = zmq.Context()
     recv = ctx.socket(zmq.PULL); recv.setsockopt(zmq.LINGER, 0); recv.bind(ipc['scheduler'])
     out = ctx.socket(zmq.PUSH); out.setsockopt(zmq.LINGER, 0); out.connect(ipc['detokenizer'])
     ready.send(('ready', {'max_model_len': worker.engine.max_model_len, 'scheduler_pid': os.getpid()}))
-    last_stats = None
-    while _parent_alive(parent_pid):
-        errors, timeout = [], 0 if worker.busy else 50
-        while recv.poll(timeout, zmq.POLLIN):          # take everything that arrived; wait only when idle
-            err = worker.handle(decode(recv.recv()))
-            if err is not None: errors.append(err)
-            timeout = 0
-        outputs = worker.step() if worker.busy else []
-        worker.check_idle()
-        stats = worker.stats()
-        if outputs or errors or stats != last_stats:
-            _send(out, StepOut(outputs, errors, stats if stats != last_stats else None), parent_pid)
-            last_stats = stats
+    last_stats, last_sent = None, 0.0
+    try:
+        while _parent_alive(parent_pid):
+            if worker.stall: time.sleep(worker.stall); worker.stall = 0.0     # an injected freeze (debug hooks)
+            errors, timeout = [], 0 if worker.busy else 50
+            while recv.poll(timeout, zmq.POLLIN):          # take everything that arrived; wait only when idle
+                err = worker.handle(decode(recv.recv()))
+                if err is not None: errors.append(err)
+                timeout = 0
+            outputs = worker.step() if worker.busy else []
+            worker.check_idle()
+            stats = worker.stats()
+            if outputs or errors or stats != last_stats or time.monotonic() - last_sent >= HEARTBEAT_S:
+                _send(out, StepOut(outputs, errors, stats), parent_pid)
+                last_stats, last_sent = stats, time.monotonic()
+    except Exception as e:      # say why before dying, so the API server's 503 names the cause
+        _send(out, StepOut(fatal=f'{type(e).__name__}: {e}'), parent_pid)
+        raise
 
 def _tokenizer_main(ready, parent_pid: int, path: str, ipc: dict, chat_template: str | None = None):
     "The tokenizer process: tokenize requests on their way in, detokenize tokens on their way out."
@@ -869,9 +1002,10 @@ def _tokenizer_main(ready, parent_pid: int, path: str, ipc: dict, chat_template:
                 else: _send(to_sched, r, parent_pid)
             elif isinstance(msg, AbortReq):
                 worker.forget(msg.rid, msg.index); _send(to_sched, msg, parent_pid)
+            elif isinstance(msg, DebugReq): _send(to_sched, msg, parent_pid)
             elif isinstance(msg, StepOut):
                 reply, aborts = worker.detokenize(msg)
-                if reply.outputs or reply.errors or reply.stats is not None: _send(to_api, reply, parent_pid)
+                if reply.outputs or reply.errors or reply.stats is not None or reply.fatal: _send(to_api, reply, parent_pid)
                 for a in aborts: _send(to_sched, a, parent_pid)
 
 def _worker_entry(main: Callable, name: str, ready, parent_pid: int, *args):
@@ -889,8 +1023,10 @@ class WorkerStartError(RuntimeError): "A worker process failed to start."
 
 class Workers:
     "The scheduler and tokenizer processes: started, waited for, watched and stopped."
-    def __init__(self, path: str, engine_kwargs: dict, chat_template: str | None = None):
+    def __init__(self, path: str, engine_kwargs: dict, chat_template: str | None = None,
+                 integrity_check: str | None = None, debug_hooks: bool = False):
         self.path, self.engine_kwargs, self.chat_template = path, engine_kwargs, chat_template
+        self.integrity_check, self.debug_hooks = integrity_mode(integrity_check), debug_hooks
         self._dir = tempfile.TemporaryDirectory(prefix='nanoserve-')
         self.ipc = {name: f'ipc://{self._dir.name}/{name}' for name in ('tokenizer', 'scheduler', 'detokenizer', 'api')}
         self.procs: dict[str, mp.process.BaseProcess] = {}
@@ -898,7 +1034,7 @@ class Workers:
     def start(self) -> dict:
         "Start both processes and wait until they are ready; returns what they reported."
         ctx = mp.get_context('spawn')
-        mains = {'scheduler': (_scheduler_main, (self.path, self.engine_kwargs, self.ipc)),
+        mains = {'scheduler': (_scheduler_main, (self.path, self.engine_kwargs, self.ipc, self.integrity_check, self.debug_hooks)),
                  'tokenizer': (_tokenizer_main, (self.path, self.ipc, self.chat_template))}
         conns, info = {}, {'path': self.path}
         for name, (main, args) in mains.items():
@@ -933,7 +1069,7 @@ class Workers:
             if p.is_alive(): p.kill(); p.join()
         self._dir.cleanup()
 
-# %% ../nbs/14_server.ipynb #da9050fb
+# %% ../nbs/14_server.ipynb #fecf31d2
 def _raise_interrupt(signum, frame): raise KeyboardInterrupt
 
 def _model_dir(model: str) -> str:
@@ -943,10 +1079,16 @@ def _model_dir(model: str) -> str:
     return str(resolve_model_path(model))
 
 class _Server(uvicorn.Server):
-    "uvicorn's server, which says when it is ready and fails open requests before it waits for them to end."
-    def __init__(self, config: uvicorn.Config, frontend: Frontend):
+    "uvicorn's server, which says when it is ready, drains on SIGTERM, and fails open requests before it waits for them to end."
+    def __init__(self, config: uvicorn.Config, frontend: Frontend, drain_timeout: float = 0.0):
         super().__init__(config)
-        self.frontend = frontend
+        self.frontend, self.drain_timeout = frontend, drain_timeout
+
+    def handle_exit(self, sig, frame):
+        "A first SIGTERM starts a drain; SIGINT, or a signal during the drain, stops now."
+        if sig == signal.SIGTERM and self.drain_timeout > 0 and self.frontend.drain_deadline is None and not self.should_exit:
+            self.frontend.start_drain(self.drain_timeout)
+        else: super().handle_exit(sig, frame)
 
     async def startup(self, sockets=None):
         await super().startup(sockets)
@@ -959,23 +1101,28 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 def run_server(model: str, host: str = '127.0.0.1', port: int = 8000, served_model_name: str | None = None,
-               chat_template: str | None = None, log_level: str = 'warning', **engine_kwargs):
+               chat_template: str | None = None, log_level: str = 'warning',
+               drain_timeout: float = 20.0,          # SIGTERM: seconds to let requests in flight finish
+               watchdog_timeout: float = 60.0,       # seconds without scheduler progress (requests open) before 503s; 0: off
+               integrity_check: str | None = None,   # failed idle check: 'warn' (log, count) or 'raise'; None: $NANOSERVE_INTEGRITY_CHECK or 'warn'
+               debug_hooks: bool = False,            # serve `POST /debug/inject` for fault-injection tests
+               **engine_kwargs):
     "Serve `model` with OpenAI's API at http://host:port until Ctrl-C or SIGTERM; engine knobs as in `LLM`."
-    try: path = _model_dir(model)
+    try: path, integrity_check = _model_dir(model), integrity_mode(integrity_check)
     except (FileNotFoundError, ValueError) as e: raise SystemExit(f'nanoserve: {e}') from None
     name = served_model_name or model
     main_thread = threading.current_thread() is threading.main_thread()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
     if main_thread:   # Ctrl-C and SIGTERM both shut down cleanly (uvicorn re-raises them once it has stopped)
         signal.signal(signal.SIGINT, signal.default_int_handler); signal.signal(signal.SIGTERM, _raise_interrupt)
-    workers, fatal = Workers(path, engine_kwargs, chat_template), None
+    workers, fatal = Workers(path, engine_kwargs, chat_template, integrity_check, debug_hooks), None
     try:
         _log(f'starting the scheduler and tokenizer processes for {name}')
         info = workers.start()
-        frontend = Frontend(name, workers.ipc, info, workers)
+        frontend = Frontend(name, workers.ipc, info, workers, watchdog_timeout, debug_hooks)
         server = _Server(uvicorn.Config(build_app(frontend), host=host, port=port, log_level=log_level,
-                                        timeout_graceful_shutdown=5, lifespan='on'), frontend)
-        frontend.on_fatal = lambda: setattr(server, 'should_exit', True)
+                                        timeout_graceful_shutdown=5, lifespan='on'), frontend, drain_timeout)
+        frontend.on_fatal = frontend.on_drained = lambda: setattr(server, 'should_exit', True)
         server.run()
         fatal = frontend.fatal
     except KeyboardInterrupt: pass
@@ -987,7 +1134,7 @@ def run_server(model: str, host: str = '127.0.0.1', port: int = 8000, served_mod
     if fatal: raise SystemExit(f'nanoserve: {fatal}')
     _log('stopped')
 
-# %% ../nbs/14_server.ipynb #45fc29bc
+# %% ../nbs/14_server.ipynb #d5c00802
 def free_port(host: str = '127.0.0.1') -> int:
     "A TCP port that is free on `host` now."
     with socket.socket() as s:
@@ -996,8 +1143,10 @@ def free_port(host: str = '127.0.0.1') -> int:
 
 class ServerProcess:
     "`run_server` in a child process: `with ServerProcess(model, **engine_kwargs) as s: ... s.url ...`."
-    def __init__(self, model: str, host: str = '127.0.0.1', port: int | None = None, startup_timeout: float = 300.0, **kwargs):
-        self.host, self.port = host, port or free_port(host)
+    def __init__(self, model: str, host: str = '127.0.0.1', port: int | None = None, startup_timeout: float = 300.0,
+                 stderr=None,      # where the server's log goes (a file object); None: this process's stderr
+                 **kwargs):
+        self.host, self.port, self.stderr = host, port or free_port(host), stderr
         self.url = f'http://{host}:{self.port}'
         self.kwargs = dict(model=model, host=host, port=self.port, **kwargs)
         self.startup_timeout = startup_timeout
@@ -1007,7 +1156,7 @@ class ServerProcess:
         "Start the server and wait until it is healthy; `RuntimeError` if it exits or times out first."
         import urllib.request, urllib.error
         code = 'import json, sys; from nanoserve.server import run_server; run_server(**json.loads(sys.argv[1]))'
-        self.proc = subprocess.Popen([sys.executable, '-c', code, json.dumps(self.kwargs)])
+        self.proc = subprocess.Popen([sys.executable, '-c', code, json.dumps(self.kwargs)], stderr=self.stderr)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None: raise RuntimeError(f'the server exited during startup (exit code {self.proc.returncode})')
