@@ -12,8 +12,8 @@ from .pages import PageTable
 from .kernels import INTERPRET, decode_attention, decode_num_splits, extend_attention, store_kv
 
 # %% auto #0
-__all__ = ['ATTENTION_BACKENDS', 'ForwardMeta', 'build_metadata', 'TorchAttentionBackend', 'TritonAttentionBackend',
-           'make_attention_backend', 'graph_batch_sizes', 'GraphRunner']
+__all__ = ['ATTENTION_BACKENDS', 'ForwardMeta', 'build_metadata', 'AttentionBackend', 'TorchAttentionBackend',
+           'TritonAttentionBackend', 'make_attention_backend', 'graph_batch_sizes', 'GraphRunner']
 
 # %% ../nbs/08_metadata.ipynb #dc822f1e
 @dataclass
@@ -64,15 +64,19 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     "q `[B, KVH, G*Tq, D]`-shaped attention over k, v `[B, KVH, S, D]`; GQA groups stay in the query dim."
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
-class TorchAttentionBackend:
-    "Stores K/V into the paged pool and attends through the page table, with plain torch ops."
-    name = 'torch'
+class AttentionBackend:
+    "What the model's attention layers call: store new K/V into the paged pool, then attend through the page table."
+    name = ''
     def __init__(self,
                  k_cache: torch.Tensor,  # [num_layers, num_slots, kv_heads, head_dim]
                  v_cache: torch.Tensor,  # same
                  scale: float):          # softmax scale, usually head_dim ** -0.5
         self.k_cache, self.v_cache, self.scale = k_cache, v_cache, scale
         self.meta: ForwardMeta | None = None
+
+class TorchAttentionBackend(AttentionBackend):
+    "Stores K/V into the paged pool and attends through the page table, with plain torch ops."
+    name = 'torch'
 
     def prepare(self, meta: ForwardMeta):
         "Take the metadata of the batch about to run; decode precomputes its gather indices and mask once for all layers."
@@ -106,15 +110,11 @@ class TorchAttentionBackend:
         return out
 
 # %% ../nbs/08_metadata.ipynb #2c26bc85
-class TritonAttentionBackend:
+class TritonAttentionBackend(AttentionBackend):
     "Stores K/V and attends through the page table with the Triton kernels: flash decoding, and paged flash attention for prefill."
     name = 'triton'
-    def __init__(self,
-                 k_cache: torch.Tensor,  # [num_layers, num_slots, kv_heads, head_dim]
-                 v_cache: torch.Tensor,  # same
-                 scale: float):          # softmax scale, usually head_dim ** -0.5
-        self.k_cache, self.v_cache, self.scale = k_cache, v_cache, scale
-        self.meta: ForwardMeta | None = None
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
+        super().__init__(k_cache, v_cache, scale)
         self._num_sms = torch.cuda.get_device_properties(k_cache.device).multi_processor_count if k_cache.is_cuda else 0
 
     def prepare(self, meta: ForwardMeta):
