@@ -13,6 +13,7 @@ from .config import EngineConfig
 from .req import SamplingParams
 from .pages import PageAllocator, PageTable
 from .scheduler import FakeRunner, Scheduler
+from .model import linear
 from .metadata import build_metadata
 from .sampling import SamplingBatch
 from .llm import make_engine
@@ -113,14 +114,13 @@ def load_transformers(path: str | Path, dtype: torch.dtype = torch.float32, devi
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
 
 def matmul_rate(n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.float32, device: str = 'cpu') -> float:
-    "This machine's matmul rate in FLOP/s: the best of `repeats` timed `n x n` products (a ceiling, so the best)."
+    "This machine's matmul rate in FLOP/s: the best of `repeats` timed `n x n` products, through `torch.mm` and the model's `linear` (a ceiling, so the best)."
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
     best = math.inf
-    for _ in range(repeats + 1):       # the first is a warm-up
-        if device != 'cpu': torch.cuda.synchronize()
-        start = time.perf_counter(); a @ b
-        if device != 'cpu': torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
+    for fn in (torch.mm, linear):       # on a CPU: MKL and oneDNN
+        for _ in range(repeats + 1):    # the first is a warm-up
+            _sync(torch.device(device)); start = time.perf_counter(); fn(a, b); _sync(torch.device(device))
+            best = min(best, time.perf_counter() - start)
     return 2 * n ** 3 / best
 
 def model_params(engine) -> int:
@@ -452,10 +452,12 @@ def _print_env(env: dict):
           f"OMP_WAIT_POLICY={env['omp_wait_policy']}]")
 
 # %% ../nbs/17_bench.ipynb #040e3cbb
+_ENGINE_FLAGS = tuple(f for f in ENGINE_FLAGS if f != 'seed')   # --seed seeds the workload
+
 def _model_args(p: argparse.ArgumentParser, peer: bool = True):
     p.add_argument('--model', default='smollm2', help="model directory, hub id or 'smollm2' (default: smollm2)")
     if peer: p.add_argument('--no-peer', action='store_true', help='skip transformers (the side-by-side peer)')
-    add_dataclass_flags(p.add_argument_group('engine (EngineConfig)'), EngineConfig, ENGINE_FLAGS)
+    add_dataclass_flags(p.add_argument_group('engine (EngineConfig)'), EngineConfig, _ENGINE_FLAGS)
 
 def build_parser() -> argparse.ArgumentParser:
     "The `nanoserve bench` argument parser: one subcommand per benchmark."
@@ -517,7 +519,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     res, kind = dict(benchmark=args.bench, argv=list(argv or sys.argv[1:]), environment=environment()), args.bench
     if kind in ('random', 'shared-prefix', 'decode', 'ablations', 'online'):
         model = resolve_model(args.model, verbose=True)
-        engine_kwargs, vocab = dataclass_kwargs(args, ENGINE_FLAGS), _vocab(model)
+        engine_kwargs, vocab = dataclass_kwargs(args, _ENGINE_FLAGS), _vocab(model)
         try: EngineConfig(model=model, **engine_kwargs)
         except ValueError as e: build_parser().error(str(e))
     if kind in ('random', 'shared-prefix', 'decode'):
@@ -548,5 +550,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     _print_env(res['environment']); print(text)
     if args.json: Path(args.json).write_text(json.dumps(res, indent=1, default=str))
     return 0
-
-if __name__ == '__main__': sys.exit(main())
