@@ -12,7 +12,7 @@ from .pages import PageTable
 from .kernels import INTERPRET, decode_attention, decode_num_splits, extend_attention, store_kv
 
 # %% auto #0
-__all__ = ['ATTENTION_BACKENDS', 'ForwardMeta', 'build_metadata', 'AttentionBackend', 'TorchAttentionBackend',
+__all__ = ['ATTENTION_BACKENDS', 'ForwardMeta', 'build_metadata', 'length_groups', 'AttentionBackend', 'TorchAttentionBackend',
            'TritonAttentionBackend', 'make_attention_backend', 'graph_batch_sizes', 'GraphRunner']
 
 # %% ../nbs/08_metadata.ipynb #dc822f1e
@@ -32,6 +32,8 @@ class ForwardMeta:
     num_reqs: int               # B, padding included
     max_seq_len: int            # max(seq_lens), on the host
     max_extend_len: int         # max(extend_lens), on the host
+    page_size: int = 1          # tokens per KV page: a row's positions [j*page_size, (j+1)*page_size) are one page
+    host_seq_lens: list[int] | None = None   # seq_lens on the host (None for the static CUDA-graph metadata)
 
 def build_metadata(batch: Batch, table: PageTable, pad_to: int | None = None) -> ForwardMeta:
     "Turn a launched batch into `ForwardMeta`, padded with the dummy request up to `pad_to` requests."
@@ -52,7 +54,7 @@ def build_metadata(batch: Batch, table: PageTable, pad_to: int | None = None) ->
     token_rows = torch.repeat_interleave(row_t.long(), extend).to(device, non_blocking=True)
     seq = [s + n for s, n in zip(starts, lens)]
     meta = ForwardMeta(batch.phase, None, positions, None, row_t, prefix, extend, prefix + extend,
-                       extend.cumsum(0).long() - 1, table.table, len(rows), max(seq), max(lens))
+                       extend.cumsum(0).long() - 1, table.table, len(rows), max(seq), max(lens), table.page_size, seq)
     for name in ('positions', 'table_idx', 'prefix_lens', 'extend_lens', 'seq_lens', 'last_indices'):
         setattr(meta, name, getattr(meta, name).to(device, non_blocking=True))
     meta.input_ids = table.tokens[token_rows, meta.positions].long()   # ids come from the token pool, on the device
@@ -63,6 +65,17 @@ def build_metadata(batch: Batch, table: PageTable, pad_to: int | None = None) ->
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     "q `[B, KVH, G*Tq, D]`-shaped attention over k, v `[B, KVH, S, D]`; GQA groups stay in the query dim."
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+def length_groups(seq_lens: list[int], page_size: int, min_saving: int = 1024, min_rows: int = 8) -> list[tuple[list[int], int]]:
+    "Split a decode batch, longest first, into groups that each pad only to their own longest: `(rows, pages)` per group."
+    order = sorted(range(len(seq_lens)), key=lambda i: -seq_lens[i])
+    pages = [-(-seq_lens[i] // page_size) for i in order]
+    groups, start = [], 0
+    for j in range(1, len(order) + 1):   # cut before row j when the rows after it would save enough padded positions
+        if j == len(order) or (j - start >= min_rows and len(order) - j >= min_rows
+                               and (pages[start] - pages[j]) * page_size * (len(order) - j) >= min_saving):
+            groups.append((order[start:j], pages[start])); start = j
+    return groups
 
 class AttentionBackend:
     "What the model's attention layers call: store new K/V into the paged pool, then attend through the page table."
@@ -79,12 +92,19 @@ class TorchAttentionBackend(AttentionBackend):
     name = 'torch'
 
     def prepare(self, meta: ForwardMeta):
-        "Take the metadata of the batch about to run; decode precomputes its gather indices and mask once for all layers."
-        self.meta = meta
-        if meta.phase == 'decode':
-            cols = torch.arange(meta.max_seq_len, device=meta.positions.device)
-            self._kv_idx = meta.page_table[meta.table_idx.long()][:, :meta.max_seq_len].long()     # [B, S]
-            self._mask = (cols[None, :] < meta.seq_lens[:, None].long())[:, None, None, :]          # [B, 1, 1, S]
+        "Take the metadata of the batch about to run; decode works out its page lists and masks once for all layers."
+        self.meta, ps = meta, meta.page_size
+        if meta.phase != 'decode': return
+        lens = meta.host_seq_lens
+        groups = length_groups(lens, ps) if lens is not None else [(None, -(-meta.max_seq_len // ps))]
+        self._groups = []   # (rows or None for all, page ids [b * pages], mask [b, 1, 1, pages * page_size])
+        for rows, n in groups:
+            idx = None if len(groups) == 1 else torch.tensor(rows, device=meta.table_idx.device)
+            table_rows = meta.table_idx.long() if idx is None else meta.table_idx[idx].long()
+            pages = (meta.page_table[table_rows, :n * ps:ps] // ps).long().flatten()
+            seq = meta.seq_lens if idx is None else meta.seq_lens[idx]
+            mask = (torch.arange(n * ps, device=seq.device)[None, :] < seq[:, None].long())[:, None, None, :]
+            self._groups.append((idx, pages, mask))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         "Store `k`, `v` `[T, KVH, D]` for `layer`, then attend with `q` `[T, H, D]`; returns `[T, H, D]`."
@@ -93,15 +113,25 @@ class TorchAttentionBackend(AttentionBackend):
         T, H, D = q.shape
         kvh = k.shape[1]; g = H // kvh
         if m.phase == 'decode':
-            keys = kc[self._kv_idx].transpose(1, 2)                  # [B, KVH, S, D]
-            vals = vc[self._kv_idx].transpose(1, 2)
-            out = _attend(q.view(T, kvh, g, D).to(keys.dtype), keys, vals, self._mask, self.scale)   # [B, KVH, G, D]
+            kp, vp = kc.view(-1, m.page_size * kvh * D), vc.view(-1, m.page_size * kvh * D)   # one row per page
+            q4 = q.view(T, kvh, g, D).to(kc.dtype)
+            out = None if len(self._groups) == 1 else torch.empty_like(q4)
+            for idx, pages, mask in self._groups:
+                b, S = mask.shape[0], mask.shape[-1]
+                keys = kp.index_select(0, pages).view(b, S, kvh, D).transpose(1, 2)     # [b, KVH, S, D]
+                vals = vp.index_select(0, pages).view(b, S, kvh, D).transpose(1, 2)
+                o = _attend(q4 if idx is None else q4[idx], keys, vals, mask, self.scale)  # [b, KVH, G, D]
+                if idx is None: out = o
+                else: out.index_copy_(0, idx, o)
             return out.reshape(T, H, D).to(q.dtype)
         out = torch.empty_like(q)
         starts = (m.last_indices - m.extend_lens + 1).tolist()
         for i, (row, prefix, n, s) in enumerate(zip(m.table_idx.tolist(), m.prefix_lens.tolist(), m.extend_lens.tolist(), starts)):
-            idx = m.page_table[row, :prefix + n].long()
-            keys, vals = kc[idx].transpose(0, 1)[None], vc[idx].transpose(0, 1)[None]          # [1, KVH, S, D]
+            if prefix == 0:                                   # nothing cached: the new keys are all there is
+                keys, vals = k[s:s + n].to(kc.dtype).transpose(0, 1)[None], v[s:s + n].to(vc.dtype).transpose(0, 1)[None]
+            else:
+                idx = m.page_table[row, :prefix + n].long()
+                keys, vals = kc[idx].transpose(0, 1)[None], vc[idx].transpose(0, 1)[None]      # [1, KVH, S, D]
             qi = q[s:s + n].view(n, kvh, g, D).permute(1, 2, 0, 3).reshape(1, kvh, g * n, D)   # group-major rows
             qpos = (prefix + torch.arange(n, device=q.device)).repeat(g)                       # position of each row
             mask = torch.arange(prefix + n, device=q.device)[None, :] <= qpos[:, None]
@@ -109,7 +139,7 @@ class TorchAttentionBackend(AttentionBackend):
             out[s:s + n] = o.view(kvh, g, n, D).permute(2, 0, 1, 3).reshape(n, H, D).to(q.dtype)
         return out
 
-# %% ../nbs/08_metadata.ipynb #2c26bc85
+# %% ../nbs/08_metadata.ipynb #e89d3d8b
 class TritonAttentionBackend(AttentionBackend):
     "Stores K/V and attends through the page table with the Triton kernels: flash decoding, and paged flash attention for prefill."
     name = 'triton'
@@ -134,7 +164,7 @@ class TritonAttentionBackend(AttentionBackend):
         return extend_attention(q, k, v, kc, vc, m.page_table, m.table_idx, m.prefix_lens, m.extend_lens, self.scale,
                                 self._max_extend_len)
 
-# %% ../nbs/08_metadata.ipynb #389481fb
+# %% ../nbs/08_metadata.ipynb #19851e93
 ATTENTION_BACKENDS = {'torch': TorchAttentionBackend, 'triton': TritonAttentionBackend}
 
 def make_attention_backend(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
@@ -145,7 +175,7 @@ def make_attention_backend(name: str, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError("attention_backend: 'triton' needs the KV pool on a GPU, or the Triton interpreter (TRITON_INTERPRET=1)")
     return ATTENTION_BACKENDS[name](k_cache, v_cache, scale)
 
-# %% ../nbs/08_metadata.ipynb #de4c4e08
+# %% ../nbs/08_metadata.ipynb #c6066b8a
 def graph_batch_sizes(max_bs: int) -> list[int]:
     "The decode batch sizes to capture: 1, 2, 4, 8, then every 8, and `max_bs` itself."
     sizes = [s for s in (1, 2, 4) if s < max_bs] + list(range(8, max_bs, 8)) + [max_bs]
@@ -189,7 +219,8 @@ class GraphRunner:
         "The metadata a graph of size `bs` was captured with: views of the buffers, the longest possible sequence."
         b = {k: v[:bs] for k, v in self.buf.items()}
         return ForwardMeta('decode', b['input_ids'], b['positions'], b['out_loc'], b['table_idx'], b['prefix_lens'],
-                           b['extend_lens'], b['seq_lens'], b['last_indices'], self.table.table, bs, self.table.max_len, 1)
+                           b['extend_lens'], b['seq_lens'], b['last_indices'], self.table.table, bs, self.table.max_len, 1,
+                           self.table.page_size)
 
     def capture(self):
         "Record one graph per batch size, largest first, sharing one memory pool (CUDA only)."
