@@ -180,6 +180,13 @@ def _model_flags(p: argparse.ArgumentParser, sampling: bool):
         add_dataclass_flags(p.add_argument_group('sampling (SamplingParams)'), SamplingParams, SAMPLING_FLAGS, CLI_SAMPLING_DEFAULTS)
     add_dataclass_flags(p.add_argument_group('engine (EngineConfig)'), EngineConfig, ENGINE_FLAGS)
 
+def _seconds(text: str) -> float:
+    "A flag's value in seconds: a finite number >= 0."
+    try: x = float(text)
+    except ValueError: raise argparse.ArgumentTypeError(f'invalid number of seconds: {text!r}') from None
+    if not (0 <= x < float('inf')): raise argparse.ArgumentTypeError(f'seconds must be a finite number >= 0, got {text!r}')
+    return x
+
 def build_parser() -> argparse.ArgumentParser:
     "The `nanoserve` argument parser, one subparser per command."
     parser = argparse.ArgumentParser(prog='nanoserve', description='nanoserve: a small, fast LLM serving engine.')
@@ -202,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--host', default='127.0.0.1', help='address to listen on (default: 127.0.0.1)')
     p.add_argument('--port', type=int, default=8000, help='port to listen on (default: 8000)')
     p.add_argument('--served-model-name', default=None, help='the model name clients send (default: MODEL as given)')
+    p.add_argument('--drain-timeout', type=_seconds, default=None, metavar='S',
+                   help='on SIGTERM, seconds to let requests in flight finish before exiting (default: 20)')
+    p.add_argument('--watchdog-timeout', type=_seconds, default=None, metavar='S',
+                   help='seconds without scheduler progress, requests open, before answering 503; 0: off (default: 60)')
+    p.add_argument('--integrity-check', choices=('warn', 'raise'), default=None,
+                   help="what a failed idle check of the page bookkeeping does: 'warn' (log, count in /metrics) or "
+                        "'raise' (stop the server) (default: $NANOSERVE_INTEGRITY_CHECK or warn)")
     command('bench', None, 'run the benchmarks (nanoserve bench --help lists their arguments)', add_help=False)
     p = command('convert-gguf', _convert, 'convert a GGUF file into a safetensors model directory (once)')
     p.add_argument('gguf', metavar='GGUF', help='the GGUF file (a Llama, Qwen2 or Qwen3 checkpoint)')
@@ -278,8 +292,9 @@ def _serve(args: argparse.Namespace) -> int:
     try: from nanoserve.server import run_server
     except ImportError as e: return _missing('serve', 'nanoserve.server', e)
     _quiet_transformers()
+    ops = {k: getattr(args, k) for k in ('drain_timeout', 'watchdog_timeout', 'integrity_check') if getattr(args, k) is not None}
     run_server(resolve_model(args.model, verbose=True), host=args.host, port=args.port,
-               served_model_name=args.served_model_name or args.model, **engine)
+               served_model_name=args.served_model_name or args.model, **ops, **engine)
     return 0
 
 def _bench(argv: list[str]) -> int:

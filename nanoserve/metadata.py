@@ -90,21 +90,39 @@ class AttentionBackend:
 class TorchAttentionBackend(AttentionBackend):
     "Stores K/V into the paged pool and attends through the page table, with plain torch ops."
     name = 'torch'
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
+        super().__init__(k_cache, v_cache, scale)
+        self._buffers: dict[str, torch.Tensor] = {}   # decode's gathered keys and values, reused by every layer
+
+    def _gather(self, pool: torch.Tensor, pages: torch.Tensor, name: str) -> torch.Tensor:
+        "Rows `pages` of `pool` (one row per page), copied into a buffer kept between layers and steps."
+        n = pages.numel() * pool.shape[1]
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n:   # grow with headroom: a decode batch's pages grow a step at a time
+            buf = self._buffers[name] = torch.empty(n + n // 4, dtype=pool.dtype, device=pool.device)
+        return torch.index_select(pool, 0, pages, out=buf[:n].view(-1, pool.shape[1]))
+
+    tile_bytes = 4 << 20   # on a CPU, decode attends a few requests at a time: their gathered K and V stay in cache
 
     def prepare(self, meta: ForwardMeta):
-        "Take the metadata of the batch about to run; decode works out its page lists and masks once for all layers."
+        "Take the metadata of the batch about to run; decode works out its tiles (rows, page lists, masks) once for all layers."
         self.meta, ps = meta, meta.page_size
         if meta.phase != 'decode': return
-        lens = meta.host_seq_lens
+        lens, dev = meta.host_seq_lens, meta.table_idx.device
         groups = length_groups(lens, ps) if lens is not None else [(None, -(-meta.max_seq_len // ps))]
-        self._groups = []   # (rows or None for all, page ids [b * pages], mask [b, 1, 1, pages * page_size])
+        per_row = 2 * ps * self.k_cache[0, 0].numel() * self.k_cache.element_size()   # K and V bytes of one page
+        self._tiles = []   # (rows: None for all, page ids [b * pages], mask [b, 1, 1, pages * page_size])
         for rows, n in groups:
-            idx = None if len(groups) == 1 else torch.tensor(rows, device=meta.table_idx.device)
-            table_rows = meta.table_idx.long() if idx is None else meta.table_idx[idx].long()
-            pages = (meta.page_table[table_rows, :n * ps:ps] // ps).long().flatten()
-            seq = meta.seq_lens if idx is None else meta.seq_lens[idx]
-            mask = (torch.arange(n * ps, device=seq.device)[None, :] < seq[:, None].long())[:, None, None, :]
-            self._groups.append((idx, pages, mask))
+            rows = list(range(meta.num_reqs)) if rows is None else rows
+            step = max(1, self.tile_bytes // (n * per_row)) if self.k_cache.device.type == 'cpu' else len(rows)
+            for i in range(0, len(rows), step):
+                tile = rows[i:i + step]
+                idx = None if len(tile) == meta.num_reqs and len(groups) == 1 else torch.tensor(tile, device=dev)
+                table_rows = meta.table_idx.long() if idx is None else meta.table_idx[idx].long()
+                pages = (meta.page_table[table_rows, :n * ps:ps] // ps).long().flatten()
+                seq = meta.seq_lens if idx is None else meta.seq_lens[idx]
+                mask = (torch.arange(n * ps, device=dev)[None, :] < seq[:, None].long())[:, None, None, :]
+                self._tiles.append((idx, pages, mask))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         "Store `k`, `v` `[T, KVH, D]` for `layer`, then attend with `q` `[T, H, D]`; returns `[T, H, D]`."
@@ -115,11 +133,11 @@ class TorchAttentionBackend(AttentionBackend):
         if m.phase == 'decode':
             kp, vp = kc.view(-1, m.page_size * kvh * D), vc.view(-1, m.page_size * kvh * D)   # one row per page
             q4 = q.view(T, kvh, g, D).to(kc.dtype)
-            out = None if len(self._groups) == 1 else torch.empty_like(q4)
-            for idx, pages, mask in self._groups:
+            out = None if len(self._tiles) == 1 else torch.empty_like(q4)
+            for idx, pages, mask in self._tiles:
                 b, S = mask.shape[0], mask.shape[-1]
-                keys = kp.index_select(0, pages).view(b, S, kvh, D).transpose(1, 2)     # [b, KVH, S, D]
-                vals = vp.index_select(0, pages).view(b, S, kvh, D).transpose(1, 2)
+                keys = self._gather(kp, pages, 'k').view(b, S, kvh, D).transpose(1, 2)     # [b, KVH, S, D]
+                vals = self._gather(vp, pages, 'v').view(b, S, kvh, D).transpose(1, 2)
                 o = _attend(q4 if idx is None else q4[idx], keys, vals, mask, self.scale)  # [b, KVH, G, D]
                 if idx is None: out = o
                 else: out.index_copy_(0, idx, o)

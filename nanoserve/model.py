@@ -19,10 +19,10 @@ from .kernels import rms_norm, rms_norm_ref, rope, rope_cos_sin_cache, rope_ref,
 
 # %% auto #0
 __all__ = ['TORCH_OPS', 'TRITON_OPS', 'AttentionFn', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'Ops', 'default_weight_loader',
-           'linear', 'ColumnParallelLinear', 'MergedColumnParallelLinear', 'QKVParallelLinear', 'RowParallelLinear',
-           'VocabParallelEmbedding', 'ParallelLMHead', 'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP', 'DecoderLayer',
-           'DecoderModel', 'DecoderForCausalLM', 'build_model', 'checkpoint_files', 'load_weights',
-           'resolve_model_path', 'load_model']
+           'linear', 'pack_cpu_weights', 'unpack_cpu_weights', 'ColumnParallelLinear', 'MergedColumnParallelLinear',
+           'QKVParallelLinear', 'RowParallelLinear', 'VocabParallelEmbedding', 'ParallelLMHead', 'RMSNorm',
+           'RotaryEmbedding', 'Attention', 'MLP', 'DecoderLayer', 'DecoderModel', 'DecoderForCausalLM', 'build_model',
+           'checkpoint_files', 'load_weights', 'resolve_model_path', 'load_model']
 
 # %% ../nbs/07_model.ipynb #e707e8a4
 class Ops(NamedTuple):
@@ -62,13 +62,31 @@ def _parameter(*shape: int, loader: Callable | None = None) -> nn.Parameter:
 
 _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, '_linear_pointwise')
 
+_ONEDNN_PACK = _ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, '_reorder_linear_weight')
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    "`F.linear`; in fp32 on a CPU through oneDNN, up to twice MKL's speed for the wide matmuls of a few rows that decoding makes."
+    "`F.linear`; in fp32 on a CPU through oneDNN (with the weight's packed copy, if `pack_cpu_weights` made one)."
     # NOTE: the same products summed in another order: equal to F.linear to fp32 rounding, not bit for bit.
     if (_ONEDNN_LINEAR and x.device.type == 'cpu' and x.dtype == weight.dtype == torch.float32 and x.dim() == 2
             and x.shape[0] > 0 and not (x.requires_grad or weight.requires_grad)):
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, 'none', [], '')
+        w = getattr(weight, 'onednn_packed', None)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight if w is None else w, bias, 'none', [], '')
     return F.linear(x, weight, bias)
+
+def pack_cpu_weights(model: nn.Module, batch_hint: int = 64) -> int:
+    "Give each fp32 CPU linear weight of `model` a copy in oneDNN's blocked layout, tuned for `batch_hint` rows; returns how many."
+    # NOTE: the copy is made from the weight as it is now: load_weights drops the copies, load_model packs again.
+    if not _ONEDNN_PACK: return 0
+    n = 0
+    for m in model.modules():
+        w = getattr(m, 'weight', None)
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and w.device.type == 'cpu' and w.dtype == torch.float32:
+            w.onednn_packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint); n += 1
+    return n
+
+def unpack_cpu_weights(model: nn.Module):
+    "Drop the packed copies (before the weights change)."
+    for p in model.parameters(): p.__dict__.pop('onednn_packed', None)
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(x)
@@ -219,7 +237,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size > 1: logits = _all_gather_last(logits, self.tp_size)[..., :self.num_embeddings]
         return logits.float()
 
-# %% ../nbs/07_model.ipynb #c2700914
+# %% ../nbs/07_model.ipynb #486bab52
 class RMSNorm(nn.Module):
     "RMSNorm; with a `residual`, normalises `x + residual` and returns the sum too."
     def __init__(self, dim: int, eps: float):
@@ -336,7 +354,7 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(m, (RMSNorm, RotaryEmbedding, MLP)): m.ops = TRITON_OPS if enabled else TORCH_OPS
         return self
 
-# %% ../nbs/07_model.ipynb #486bab52
+# %% ../nbs/07_model.ipynb #449a09ba
 @contextmanager
 def _default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
@@ -350,7 +368,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype | None = None, device: s
     with torch.device(device), _default_dtype(dtype or config.dtype):
         return DecoderForCausalLM(config, tp_rank, tp_size, max_positions).eval()
 
-# %% ../nbs/07_model.ipynb #0cac6151
+# %% ../nbs/07_model.ipynb #175a9944
 # checkpoint module name -> (nanoserve module name, shard_id)
 STACKED_PARAMS = {'q_proj': ('qkv_proj', 'q'), 'k_proj': ('qkv_proj', 'k'), 'v_proj': ('qkv_proj', 'v'),
                   'gate_proj': ('gate_up_proj', 0), 'up_proj': ('gate_up_proj', 1)}
@@ -382,6 +400,7 @@ def _checkpoint_names(param_name: str) -> list[str]:
 def load_weights(model: DecoderForCausalLM, path: str | Path):
     "Stream a safetensors checkpoint into `model`, each parameter taking its rank's slice."
     from safetensors import safe_open
+    unpack_cpu_weights(model)                # packed copies of the old weights would go stale
     files, params = checkpoint_files(path), dict(model.named_parameters())   # a tied lm_head appears once, as the embedding
     plan, unexpected = {}, []
     for f in files:
@@ -404,7 +423,7 @@ def load_weights(model: DecoderForCausalLM, path: str | Path):
                 try: param.weight_loader(param, st.get_tensor(name), shard_id)
                 except ValueError as e: raise ValueError(f'{name}: {e}') from e
 
-# %% ../nbs/07_model.ipynb #175a9944
+# %% ../nbs/07_model.ipynb #34064ebc
 HUB_ALLOW_PATTERNS = ['*.json', '*.safetensors', 'tokenizer*', '*.model', '*.tiktoken', 'merges.txt', '*.jinja']
 
 def _hub_offline() -> bool: return os.environ.get('HF_HUB_OFFLINE', '').strip().lower() in ('1', 'on', 'yes', 'true')
@@ -431,4 +450,5 @@ def load_model(model: str | Path, dtype: torch.dtype | None = None, device: str 
     config = ModelConfig.from_pretrained(path)
     net = build_model(config, dtype, device, tp_rank, tp_size, max_positions)
     load_weights(net, path)
+    pack_cpu_weights(net)
     return net, config

@@ -108,6 +108,16 @@ class PageTable:
         assert first + len(pages) * self.page_size >= end, 'not enough pages for the positions'
         self.write(row, first, self.allocator.locations(pages))
 
+    def allocate_pages(self, rows: list[int], starts: list[int], pages: list[int]):
+        "Give each row `rows[i]` the one new page `pages[i]` at its page-aligned position `starts[i]`, in one write."
+        if not rows: return
+        assert all(s % self.page_size == 0 for s in starts), 'a new page starts at a page-aligned position'
+        offsets = torch.arange(self.page_size, dtype=torch.int32)
+        cols = torch.tensor(starts, dtype=torch.int64)[:, None] + offsets
+        locs = torch.tensor(pages, dtype=torch.int32)[:, None] * self.page_size + offsets
+        self.host[torch.tensor(rows, dtype=torch.int64)[:, None], cols] = locs
+        self._dirty.update(rows)
+
     def locs(self, row: int, start: int, end: int) -> torch.Tensor:
         "The token locations of positions `[start, end)` of `row` (host)."
         return self.host[row, start:end]

@@ -32,6 +32,7 @@ def _pairs(tokens: dict[int, list[int]],    # row -> its tokens
            vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "The distinct `(row, token)` pairs of tokens below `vocab_size`: rows, tokens and how often each occurs (CPU)."
     empty = torch.empty(0, dtype=torch.int64)
+    if not tokens: return empty, empty, empty.float()
     rows = torch.cat([torch.full((len(t),), row, dtype=torch.int64) for row, t in tokens.items()] + [empty])
     ids = torch.cat([torch.tensor(t, dtype=torch.int64) for t in tokens.values()] + [empty])
     keep = ids < vocab_size

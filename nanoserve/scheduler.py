@@ -138,6 +138,7 @@ class Scheduler:
         self.table.allocate(req.table_idx, start, start + n, self.allocator.allocate(need))
 
     def _schedule_prefill(self) -> Batch | None:
+        if not (self.waiting or self.prefilling): return None
         budget = PrefillBudget(self.max_prefill_tokens, self.table.num_free_rows, 0,
                                sum(reserved_pages(r, self.ratio, self.page_size) for r in self.prefilling + self.running),
                                self.page_size, self.ratio)
@@ -146,15 +147,19 @@ class Scheduler:
             n = budget.resume(req)
             need = pages_for(req.cached_len, req.cached_len + n, self.page_size)
             if n and pages + need <= self._available_pages(): reqs.append(req); lens.append(n); pages += need
+        deferred, windows = [], set()
         while self.waiting and budget.token_budget > 0:
             req = self.waiting[0]
             node, hit = self._match(req)
+            window = self._uncached_window(req)
             budget.available_pages = self._available_pages() - pages
-            n = budget.admit(req)
+            n = 0 if window in windows else budget.admit(req)
             if n == 0:
                 if node is not None: self.cache.unlock(node)
                 req.cached_len = 0
-                break
+                if window is None or window not in windows: break
+                deferred.append(self.waiting.popleft()); continue   # wait one step, then hit what its batch-mate computed
+            if window is not None: windows.add(window)
             self.waiting.popleft()
             req.table_idx, req.cache_handle = self.table.alloc_row(), node
             if len(hit): self.table.write(req.table_idx, 0, hit)
@@ -163,9 +168,17 @@ class Scheduler:
                 req.num_cached_tokens = len(hit); self.prefix_queries += req.prompt_len; self.prefix_hits += len(hit)
             self.prefilling.append(req); reqs.append(req); lens.append(n)
             pages += pages_for(req.cached_len, req.cached_len + n, self.page_size)
+        self.waiting.extendleft(reversed(deferred))          # back at the head, in their order
         if not reqs: return None
         for req, n in zip(reqs, lens): self._allocate(req, n)
         return Batch(reqs, 'prefill', lens)
+
+    def _uncached_window(self, req: Req) -> tuple | None:
+        "What a request must compute first, past its cache hit: `(cached_len, next 32 tokens in whole pages)`, or None."
+        if self.cache is None: return None
+        start, width = req.cached_len, cdiv(32, self.page_size) * self.page_size
+        if start + width > req.device_len - 1: return None   # too little left to share a page worth the wait
+        return start, tuple(req.input_ids[start:start + width])
 
     def _match(self, req: Req) -> tuple[RadixNode | None, torch.Tensor]:
         "Lock the longest cached prefix of the request, at most `device_len - 1` tokens (one must be computed)."
@@ -176,15 +189,19 @@ class Scheduler:
         return node, hit
 
     def _schedule_decode(self) -> Batch | None:
+        ps = self.page_size
         def ready(): return [r for r in self.running if r.device_len < r.max_device_len]   # others await their last token
-        def need(): return sum(pages_for(r.cached_len, r.cached_len + 1, self.page_size) for r in ready())
-        while need() > self._available_pages() and (len(ready()) > 1 or self.prefilling):
-            victim = self.prefilling[-1] if self.prefilling else ready()[-1]
+        def crossing(reqs): return [r for r in reqs if r.cached_len % ps == 0]     # their next position opens a page
+        reqs = ready()
+        while len(crossing(reqs)) > self._available_pages() and (len(reqs) > 1 or self.prefilling):
+            victim = self.prefilling[-1] if self.prefilling else reqs[-1]
             (self.prefilling if victim in self.prefilling else self.running).remove(victim)
             self._retract(victim)
-        reqs = ready()
+            reqs = ready()
         if not reqs: return None
-        for req in reqs: self._allocate(req, 1)
+        new = crossing(reqs)                      # one page each, written to the table at once
+        if len(new) > self.allocator.num_free and self.cache: self.cache.evict(len(new) - self.allocator.num_free)
+        self.table.allocate_pages([r.table_idx for r in new], [r.cached_len for r in new], self.allocator.allocate(len(new)))
         return Batch(reqs, 'decode', [1] * len(reqs))
 
     # -- results -------------------------------------------------------------------------------------------
