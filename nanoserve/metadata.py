@@ -111,10 +111,13 @@ class TorchAttentionBackend(AttentionBackend):
         lens, dev = meta.host_seq_lens, meta.table_idx.device
         groups = length_groups(lens, ps) if lens is not None else [(None, -(-meta.max_seq_len // ps))]
         per_row = 2 * ps * self.k_cache[0, 0].numel() * self.k_cache.element_size()   # K and V bytes of one page
+        tiled = self.k_cache.device.type == 'cpu'
+        if tiled: first_page = meta.page_table[meta.table_idx.long(), 0].tolist()
         self._tiles = []   # (rows: None for all, page ids [b * pages], mask [b, 1, 1, pages * page_size])
         for rows, n in groups:
             rows = list(range(meta.num_reqs)) if rows is None else rows
-            step = max(1, self.tile_bytes // (n * per_row)) if self.k_cache.device.type == 'cpu' else len(rows)
+            step = max(1, self.tile_bytes // (n * per_row)) if tiled else len(rows)
+            if step < len(rows): rows = sorted(rows, key=lambda r: first_page[r])   # a shared prefix: one tile reads it from memory
             for i in range(0, len(rows), step):
                 tile = rows[i:i + step]
                 idx = None if len(tile) == meta.num_reqs and len(groups) == 1 else torch.tensor(tile, device=dev)
@@ -145,11 +148,13 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         starts = (m.last_indices - m.extend_lens + 1).tolist()
         for i, (row, prefix, n, s) in enumerate(zip(m.table_idx.tolist(), m.prefix_lens.tolist(), m.extend_lens.tolist(), starts)):
-            if prefix == 0:                                   # nothing cached: the new keys are all there is
-                keys, vals = k[s:s + n].to(kc.dtype).transpose(0, 1)[None], v[s:s + n].to(vc.dtype).transpose(0, 1)[None]
-            else:
-                idx = m.page_table[row, :prefix + n].long()
-                keys, vals = kc[idx].transpose(0, 1)[None], vc[idx].transpose(0, 1)[None]      # [1, KVH, S, D]
+            if prefix == 0:                                   # nothing cached: plain causal attention over the new keys
+                qi, ki, vi = (t[s:s + n].to(kc.dtype).transpose(0, 1)[None] for t in (q, k, v))   # [1, heads, n, D]
+                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
+                out[s:s + n] = o[0].transpose(0, 1).to(q.dtype)
+                continue
+            idx = m.page_table[row, :prefix + n].long()                                        # a cached prefix: gather
+            keys, vals = kc[idx].transpose(0, 1)[None], vc[idx].transpose(0, 1)[None]          # [1, KVH, S, D]
             qi = q[s:s + n].view(n, kvh, g, D).permute(1, 2, 0, 3).reshape(1, kvh, g * n, D)   # group-major rows
             qpos = (prefix + torch.arange(n, device=q.device)).repeat(g)                       # position of each row
             mask = torch.arange(prefix + n, device=q.device)[None, :] <= qpos[:, None]
