@@ -73,13 +73,15 @@ def run_nanoserve(engine, workload: Workload, temperature: float = 0.0) -> dict:
     "Generate `workload` on a nanoserve engine: output tokens per second of wall time, prefill included; and the outputs."
     warm = [workload.prompts[0][0]] * 8            # shorter than a page: leaves nothing in the prefix cache
     engine.generate([warm], SamplingParams(max_tokens=2, ignore_eos=True))
+    hits = engine.scheduler.prefix_hits
     start = time.perf_counter()
     reqs = engine.generate(workload.prompts, workload.sampling_params(temperature))
     seconds = time.perf_counter() - start
     outputs = [r.output_ids for r in reqs]
     tokens = sum(map(len, outputs))
     assert tokens == workload.output_tokens, f'generated {tokens} tokens, asked for {workload.output_tokens}'
-    return dict(engine='nanoserve', output_tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, outputs=outputs)
+    return dict(engine='nanoserve', output_tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, outputs=outputs,
+                cached_prompt_tokens=engine.scheduler.prefix_hits - hits)
 
 def left_padded(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     "Prompts as one batch, padded on the left: `input_ids` and `attention_mask` `[B, longest]`."
@@ -120,7 +122,7 @@ def load_transformers(path: str | Path, dtype: torch.dtype = torch.float32, devi
     "The `transformers` model of a checkpoint directory, in eval mode: the peer."
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
+    hf_logging.set_verbosity_error(); hf_logging.disable_progress_bar()
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
 
 def matmul_rate(n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.float32, device: str = 'cpu') -> float:
@@ -150,7 +152,7 @@ def compare(engine, peer, workload: Workload, pad_id: int = 0) -> dict:
     flops = 2 * model_params(engine)
     res = dict(workload=workload.name, requests=workload.num_requests, input_tokens=workload.input_tokens,
                output_tokens=workload.output_tokens, nanoserve=ns, transformers=hf, matmul_flops=rate,
-               compute_fraction=(workload.input_tokens + workload.output_tokens) * flops / ns['seconds'] / rate)
+               compute_fraction=(workload.input_tokens - ns['cached_prompt_tokens'] + workload.output_tokens) * flops / ns['seconds'] / rate)
     if hf is not None:
         res['ratio'] = ns['tokens_per_s'] / hf['tokens_per_s']
         res['same_outputs'] = sum(a == b for a, b in zip(ns['outputs'], hf['outputs']))   # greedy: both should agree
@@ -181,9 +183,12 @@ def _compare_table(res: dict) -> str:
     rows = [(r['engine'], res['requests'], r['output_tokens'], r['seconds'], r['tokens_per_s'])
             for r in (res['nanoserve'], res['transformers']) if r is not None]
     out = format_table(['engine', 'requests', 'output tokens', 's', 'tok/s'], rows)
-    if res.get('ratio') is not None: out += f"\nnanoserve / transformers: x{res['ratio']:.2f} (side by side, one run)"
+    if res.get('ratio') is not None:
+        out += (f"\nnanoserve / transformers: x{res['ratio']:.2f} (side by side, one run); greedy outputs identical: "
+                f"{res['same_outputs']} of {res['requests']} (first tokens: {res['same_first_tokens']})")
     return out + (f"\nnanoserve used {100 * res['compute_fraction']:.0f}% of the measured compute ceiling "
-                  f"({res['matmul_flops'] / 1e9:.0f} GFLOP/s fp32 matmul; prompt and output tokens at 2 x params FLOPs each)")
+                  f"({res['matmul_flops'] / 1e9:.0f} GFLOP/s fp32 matmul; the prompt tokens it computed and the output tokens "
+                  f"at 2 x params FLOPs each)")
 
 def _sweep_table(res: dict) -> str:
     rows = [(r['batch_size'], r['nanoserve'], r.get('transformers'), r['nanoserve'] / r['transformers'] if r.get('transformers') else None,
@@ -198,6 +203,10 @@ def _latency_table(res: dict) -> str:
     return (format_table(['metric', 'mean', 'p50', 'p99'], rows) +
             f"\n{res['completed']} of {res['sent']} requests at {res['rate']}/s ({res['failed']} failed): "
             f"{res['tokens_per_s']:,.1f} output tok/s, {res['requests_per_s']:.2f} req/s over {res['seconds']:.1f} s")
+
+def _ablation_table(res: dict) -> str:
+    return format_table(['ablation', 'on tok/s', 'off tok/s', 'gain'],
+                        [(k, res[k]['on'], res[k]['off'], f"x{res[k]['gain']:.2f}") for k in ('overlap', 'radix')])
 
 def _scheduler_table(res: dict) -> str:
     rows = [(name, *(res[key][k] for k in ('mean', 'p50', 'p99'))) for name, key in
@@ -239,15 +248,22 @@ def decode_throughput(engine, batch_size: int, context: int = 256, steps: int = 
 
 def transformers_decode_throughput(model, batch_size: int, context: int = 256, steps: int = 8,
                                    vocab: tuple[int, int] = (100, 10000), seed: int = 0) -> dict:
-    "The same for `transformers`: a batch of `context`-token prompts generating `steps + 1` tokens, less the time of generating 1."
+    "The same for `transformers`: prefill a batch of `context`-token prompts, then time `steps` greedy decode steps of its forward with the KV cache, as `generate` runs them."
     rng = random.Random(seed)
     ids = torch.tensor([[rng.randrange(*vocab) for _ in range(context)] for _ in range(batch_size)], device=model.device)
-    def timed(n):
+    mask = torch.ones_like(ids)
+    import inspect
+    cache_arg = 'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values'   # renamed in transformers 5
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        def step(out, mask):
+            mask = torch.cat([mask, mask[:, :1]], 1)
+            cache = out.cache if cache_arg == 'cache' else out.past_key_values
+            return model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask, use_cache=True, **{cache_arg: cache}), mask
+        out, mask = step(out, mask)                                   # the first decode step: a warm-up
         _sync(model.device); start = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=greedy_config(model, n))
-        _sync(model.device); return time.perf_counter() - start
-    with torch.inference_mode(): prefill, total = timed(1), timed(steps + 1)
-    seconds = max(total - prefill, 1e-9)
+        for _ in range(steps): out, mask = step(out, mask)
+        _sync(model.device); seconds = time.perf_counter() - start
     return dict(batch_size=batch_size, context=context, steps=steps, seconds=seconds, tokens_per_s=batch_size * steps / seconds)
 
 def decode_sweep(engine, peer=None, batch_sizes: Sequence[int] = (1, 8, 32, 64, 128), context: int = 256, steps: int = 8,
@@ -396,9 +412,14 @@ def ablations(model: str, random_wl: Workload, shared_wl: Workload, **engine_kwa
                 radix=dict(workload=repr(shared_wl), **radix, gain=radix['on'] / radix['off']))
 
 # %% ../nbs/15_bench.ipynb #c3dc5282
+def _figure():
+    try: from matplotlib.figure import Figure
+    except ImportError: raise ImportError('the plots need matplotlib: pip install matplotlib') from None
+    return Figure
+
 def plot_decode_sweep(sweep: dict, path: str | Path, title: str = 'decode throughput') -> Path:
     "A PNG of decode tokens/s against batch size: nanoserve, the peer, and the compute ceiling."
-    from matplotlib.figure import Figure
+    Figure = _figure()
     rows = sweep['rows']
     bs = [r['batch_size'] for r in rows]
     fig = Figure(figsize=(6, 3.6), dpi=100); ax = fig.add_subplot()
@@ -412,12 +433,12 @@ def plot_decode_sweep(sweep: dict, path: str | Path, title: str = 'decode throug
 
 def plot_ablations(abl: dict, path: str | Path, title: str = 'ablations') -> Path:
     "A PNG of the two ablations as bars: throughput with each feature on and off."
-    from matplotlib.figure import Figure
+    Figure = _figure()
     fig = Figure(figsize=(6, 3.2), dpi=100); axes = fig.subplots(1, 2)
     for ax, (name, label) in zip(axes, [('overlap', 'overlap scheduling\n(random workload)'), ('radix', 'radix cache\n(shared prefixes)')]):
         r = abl[name]
         bars = ax.bar(['on', 'off'], [r['on'], r['off']], color=['tab:blue', 'tab:grey'])
-        ax.bar_label(bars, fmt='%.0f'); ax.set_title(f"{label}: x{r['gain']:.2f}", fontsize=9); ax.set_ylabel('output tokens / s')
+        ax.bar_label(bars, fmt='%.0f'); ax.margins(y=0.15); ax.set_title(f"{label}: x{r['gain']:.2f}", fontsize=9); ax.set_ylabel('output tokens / s')
     fig.suptitle(title, fontsize=10); fig.tight_layout(); fig.savefig(path)
     return Path(path)
 
@@ -538,13 +559,17 @@ def _vocab(model: str) -> tuple[int, int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     "`nanoserve bench BENCHMARK ...`: run one benchmark, print its table, optionally write JSON and a plot."
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, 'plot', None):
+        try: _figure()
+        except ImportError as e: parser.error(f'--plot: {e}')
     if args.threads: torch.set_num_threads(args.threads); os.environ['OMP_NUM_THREADS'] = str(args.threads)   # (and the server's)
     res, kind = dict(benchmark=args.bench, argv=list(argv or sys.argv[1:]), environment=environment()), args.bench
     if kind in ('random', 'shared-prefix', 'decode', 'ablations', 'online'):
         engine_kwargs = dataclass_kwargs(args, _ENGINE_FLAGS)
         try: EngineConfig(model=args.model, **engine_kwargs)      # range errors first, before a model is converted or loaded
-        except ValueError as e: build_parser().error(str(e))
+        except ValueError as e: parser.error(str(e))
         model = resolve_model(args.model, verbose=True)
         vocab = _vocab(model)
     if kind in ('random', 'shared-prefix', 'decode'):
@@ -563,7 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         abl = ablations(model, random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed),
                         shared_prefix_workload(args.groups, 8, args.prefix_len, vocab=vocab, seed=args.seed), **engine_kwargs)
         res.update(abl)
-        text = format_table(['ablation', 'on tok/s', 'off tok/s', 'gain'], [(k, abl[k]['on'], abl[k]['off'], f"x{abl[k]['gain']:.2f}") for k in ('overlap', 'radix')])
+        text = _ablation_table(abl)
         if args.plot: plot_ablations(abl, args.plot, f'{Path(model).name} ablations')
     elif kind == 'online':
         wl = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)

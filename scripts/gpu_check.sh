@@ -25,7 +25,7 @@ timeout 300 python3 -m nbdev.test --flags cuda --n_workers 4 --timing 2>&1 | tee
 cells=${PIPESTATUS[0]}
 echo "cuda cells: exit $cells in $(( $(date +%s) - start )) s"
 
-echo "== GPU benchmark"
-timeout 240 python3 scripts/gpu_bench.py --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.log" | tail -12
+echo "== GPU benchmark (nanoserve bench gpu: chapter 15)"
+timeout 240 python3 -m nanoserve.cli bench gpu --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.log" | tail -12
 bench=${PIPESTATUS[0]}
 exit $(( cells || bench ))
