@@ -501,6 +501,13 @@ def _model_args(p: argparse.ArgumentParser, peer: bool = True):
     if peer: p.add_argument('--no-peer', action='store_true', help='skip transformers (the side-by-side peer)')
     add_dataclass_flags(p.add_argument_group('engine (EngineConfig)'), EngineConfig, _ENGINE_FLAGS)
 
+def _random_args(p: argparse.ArgumentParser, num_requests: int = 64, output_len: tuple[int, int] = (32, 256)):
+    "The random workload's size and its prompt and output length ranges."
+    p.add_argument('--num-requests', type=int, default=num_requests, help=f'random requests (default: {num_requests})')
+    for flag, (lo, hi) in [('--input-len', (32, 256)), ('--output-len', output_len)]:
+        p.add_argument(flag, type=int, nargs=2, default=(lo, hi), metavar=('LO', 'HI'),
+                       help=f"{flag[2:-4]} lengths, uniform in [LO, HI] (default: {lo} {hi})")
+
 def build_parser() -> argparse.ArgumentParser:
     "The `nanoserve bench` argument parser: one subcommand per benchmark."
     parser = argparse.ArgumentParser(prog='nanoserve bench', description='nanoserve benchmarks: each prints a table; --json also writes the figures.')
@@ -513,9 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
         return p
     p = command('random', 'random prompts and output lengths (nano-vllm style), beside transformers generate')
     _model_args(p)
-    p.add_argument('--num-requests', type=int, default=64)
-    p.add_argument('--input-len', type=int, nargs=2, default=(32, 256), metavar=('LO', 'HI'), help='prompt lengths (default: 32 256)')
-    p.add_argument('--output-len', type=int, nargs=2, default=(32, 256), metavar=('LO', 'HI'), help='output lengths (default: 32 256)')
+    _random_args(p)
     p = command('shared-prefix', 'groups of requests sharing a long prefix, beside transformers generate')
     _model_args(p)
     for flag, default in [('--groups', 8), ('--per-group', 8), ('--prefix-len', 512), ('--question-len', 32), ('--output-len', 32)]:
@@ -528,19 +533,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--plot', metavar='PNG', help='also plot throughput against batch size')
     p = command('ablations', 'overlap scheduling on/off (random workload) and the radix cache on/off (shared prefixes)')
     _model_args(p, peer=False)
-    p.add_argument('--num-requests', type=int, default=64, help='random workload size (default: 64)')
-    p.add_argument('--input-len', type=int, nargs=2, default=(32, 256), metavar=('LO', 'HI'), help='random prompt lengths (default: 32 256)')
-    p.add_argument('--output-len', type=int, nargs=2, default=(32, 256), metavar=('LO', 'HI'), help='random output lengths (default: 32 256)')
+    _random_args(p)
     p.add_argument('--groups', type=int, default=8, help='shared-prefix groups of 8 requests (default: 8)')
     p.add_argument('--prefix-len', type=int, default=512, help='shared prefix length (default: 512)')
     p.add_argument('--plot', metavar='PNG', help='also plot the ablations')
     p = command('online', 'Poisson arrivals against a running server: TTFT, inter-token latency, throughput')
     _model_args(p, peer=False)
     p.add_argument('--rate', type=float, default=2.0, help="requests per second; 'inf' sends all at once (default: 2)")
-    p.add_argument('--num-requests', type=int, default=32)
     p.add_argument('--max-duration', type=float, default=120.0, help='stop sending after this many seconds (default: 120)')
-    p.add_argument('--input-len', type=int, nargs=2, default=(32, 256), metavar=('LO', 'HI'))
-    p.add_argument('--output-len', type=int, nargs=2, default=(32, 128), metavar=('LO', 'HI'))
+    _random_args(p, num_requests=32, output_len=(32, 128))
     p = command('scheduler', 'host time per decode step with the fake runner (no model)')
     p.add_argument('--batch-size', type=int, default=256)
     p.add_argument('--steps', type=int, default=32)

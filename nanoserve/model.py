@@ -18,11 +18,11 @@ from .config import ModelConfig
 from .kernels import rms_norm, rms_norm_ref, rope, rope_cos_sin_cache, rope_ref, silu_and_mul, silu_and_mul_ref
 
 # %% auto #0
-__all__ = ['TORCH_OPS', 'TRITON_OPS', 'AttentionFn', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'Ops', 'default_weight_loader',
-           'linear', 'pack_cpu_weights', 'unpack_cpu_weights', 'ColumnParallelLinear', 'MergedColumnParallelLinear',
-           'QKVParallelLinear', 'RowParallelLinear', 'VocabParallelEmbedding', 'ParallelLMHead', 'RMSNorm',
-           'RotaryEmbedding', 'Attention', 'MLP', 'DecoderLayer', 'DecoderModel', 'DecoderForCausalLM', 'build_model',
-           'checkpoint_files', 'load_weights', 'resolve_model_path', 'load_model']
+__all__ = ['TORCH_OPS', 'TRITON_OPS', 'ONEDNN_MAX_ROWS', 'ONEDNN_ROW_STEP', 'AttentionFn', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS',
+           'Ops', 'default_weight_loader', 'linear', 'pack_cpu_weights', 'unpack_cpu_weights', 'ColumnParallelLinear',
+           'MergedColumnParallelLinear', 'QKVParallelLinear', 'RowParallelLinear', 'VocabParallelEmbedding',
+           'ParallelLMHead', 'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP', 'DecoderLayer', 'DecoderModel',
+           'DecoderForCausalLM', 'build_model', 'checkpoint_files', 'load_weights', 'resolve_model_path', 'load_model']
 
 # %% ../nbs/07_model.ipynb #e707e8a4
 class Ops(NamedTuple):
@@ -64,13 +64,21 @@ _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkld
 
 _ONEDNN_PACK = _ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, '_reorder_linear_weight')
 
+ONEDNN_MAX_ROWS, ONEDNN_ROW_STEP = 256, 16   # oneDNN for decode-sized products, their rows padded to a multiple of 16
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    "`F.linear`; in fp32 on a CPU through oneDNN (with the weight's packed copy, if `pack_cpu_weights` made one)."
+    "`F.linear`; in fp32 on a CPU, up to 256 rows, through oneDNN (with the weight's packed copy, if `pack_cpu_weights` made one)."
     # NOTE: the same products summed in another order: equal to F.linear to fp32 rounding, not bit for bit.
-    if (_ONEDNN_LINEAR and x.device.type == 'cpu' and x.dtype == weight.dtype == torch.float32 and x.dim() == 2
-            and x.shape[0] > 0 and not (x.requires_grad or weight.requires_grad)):
+    # oneDNN keeps a compiled kernel, and memory, for every row count it meets: padding the rows to a multiple of 16
+    # bounds that to 16 shapes per weight (an unpadded server grew by hundreds of MB); larger products go to MKL.
+    m = x.shape[0] if x.dim() == 2 else 0
+    if (_ONEDNN_LINEAR and x.device.type == 'cpu' and x.dtype == weight.dtype == torch.float32 and 0 < m <= ONEDNN_MAX_ROWS
+            and not (x.requires_grad or weight.requires_grad)):
         w = getattr(weight, 'onednn_packed', None)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight if w is None else w, bias, 'none', [], '')
+        pad = -m % ONEDNN_ROW_STEP
+        x = F.pad(x, (0, 0, 0, pad)) if pad else x.contiguous()
+        y = torch.ops.mkldnn._linear_pointwise(x, weight if w is None else w, bias, 'none', [], '')
+        return y[:m] if pad else y
     return F.linear(x, weight, bias)
 
 def pack_cpu_weights(model: nn.Module, batch_hint: int = 64) -> int:
@@ -196,7 +204,7 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return f'{self.local_input_size} of {self.input_size} -> {self.output_size} (rank {self.tp_rank}/{self.tp_size}), bias={self.bias is not None}'
 
-# %% ../nbs/07_model.ipynb #97008761
+# %% ../nbs/07_model.ipynb #f8b15d79
 class VocabParallelEmbedding(nn.Module):
     "Token embedding with the vocabulary split over ranks; out-of-range ids give zeros, and an all-reduce sums the ranks."
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1):
@@ -237,7 +245,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size > 1: logits = _all_gather_last(logits, self.tp_size)[..., :self.num_embeddings]
         return logits.float()
 
-# %% ../nbs/07_model.ipynb #486bab52
+# %% ../nbs/07_model.ipynb #449a09ba
 class RMSNorm(nn.Module):
     "RMSNorm; with a `residual`, normalises `x + residual` and returns the sum too."
     def __init__(self, dim: int, eps: float):
@@ -354,7 +362,7 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(m, (RMSNorm, RotaryEmbedding, MLP)): m.ops = TRITON_OPS if enabled else TORCH_OPS
         return self
 
-# %% ../nbs/07_model.ipynb #449a09ba
+# %% ../nbs/07_model.ipynb #0cac6151
 @contextmanager
 def _default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
@@ -368,7 +376,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype | None = None, device: s
     with torch.device(device), _default_dtype(dtype or config.dtype):
         return DecoderForCausalLM(config, tp_rank, tp_size, max_positions).eval()
 
-# %% ../nbs/07_model.ipynb #175a9944
+# %% ../nbs/07_model.ipynb #34064ebc
 # checkpoint module name -> (nanoserve module name, shard_id)
 STACKED_PARAMS = {'q_proj': ('qkv_proj', 'q'), 'k_proj': ('qkv_proj', 'k'), 'v_proj': ('qkv_proj', 'v'),
                   'gate_proj': ('gate_up_proj', 0), 'up_proj': ('gate_up_proj', 1)}
@@ -423,7 +431,7 @@ def load_weights(model: DecoderForCausalLM, path: str | Path):
                 try: param.weight_loader(param, st.get_tensor(name), shard_id)
                 except ValueError as e: raise ValueError(f'{name}: {e}') from e
 
-# %% ../nbs/07_model.ipynb #34064ebc
+# %% ../nbs/07_model.ipynb #c67d465f
 HUB_ALLOW_PATTERNS = ['*.json', '*.safetensors', 'tokenizer*', '*.model', '*.tiktoken', 'merges.txt', '*.jinja']
 
 def _hub_offline() -> bool: return os.environ.get('HF_HUB_OFFLINE', '').strip().lower() in ('1', 'on', 'yes', 'true')
