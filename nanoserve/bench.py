@@ -5,9 +5,9 @@
 # %% ../nbs/15_bench.ipynb #8b162d4c
 from __future__ import annotations
 import argparse, http.client, json, math, os, random, statistics, sys, threading, time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 import torch
 from .config import EngineConfig
 from .req import SamplingParams
