@@ -93,6 +93,8 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
         super().__init__(k_cache, v_cache, scale)
         self._buffers: dict[str, torch.Tensor] = {}   # decode's gathered keys and values, reused by every layer
+        if k_cache.device.type == 'cpu':              # a tile's worth, touched now: the process's memory stays flat later
+            self._buffers = {n: torch.zeros(self.tile_bytes // 2 // k_cache.element_size(), dtype=k_cache.dtype) for n in 'kv'}
 
     def _gather(self, pool: torch.Tensor, pages: torch.Tensor, name: str) -> torch.Tensor:
         "Rows `pages` of `pool` (one row per page), copied into a buffer kept between layers and steps."
