@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from .req import Batch
 from .pages import PageTable
 from .kernels import INTERPRET, decode_attention, decode_num_splits, extend_attention, store_kv
+from .cpu_kernels import cpu_kernels, paged_attention
 
 # %% auto #0
 __all__ = ['ATTENTION_BACKENDS', 'ForwardMeta', 'build_metadata', 'length_groups', 'AttentionBackend', 'TorchAttentionBackend',
@@ -88,12 +89,18 @@ class AttentionBackend:
         self.meta: ForwardMeta | None = None
 
 class TorchAttentionBackend(AttentionBackend):
-    "Stores K/V into the paged pool and attends through the page table, with plain torch ops."
+    "Stores K/V into the paged pool and attends through the page table: with the C kernel on a CPU, else with plain torch ops."
     name = 'torch'
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
+    kernel_extend_max = 64   # a prefill over a cached prefix uses the C kernel for requests of up to this many new tokens
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, use_cpu_kernel: bool | None = None):
         super().__init__(k_cache, v_cache, scale)
+        can = (k_cache.device.type == 'cpu' and k_cache.dtype == torch.float32 and k_cache.shape[-1] % 8 == 0
+               and cpu_kernels() is not None)
+        if use_cpu_kernel and not can: raise ValueError('use_cpu_kernel: the C kernel needs an fp32 CPU pool, head_dim % 8 == 0 and a C compiler')
+        self.use_cpu_kernel = can if use_cpu_kernel is None else use_cpu_kernel
         self._buffers: dict[str, torch.Tensor] = {}   # decode's gathered keys and values, reused by every layer
-        if k_cache.device.type == 'cpu':              # a tile's worth, touched now: the process's memory stays flat later
+        if k_cache.device.type == 'cpu' and not self.use_cpu_kernel:   # a tile's worth, touched now: memory stays flat later
             self._buffers = {n: torch.zeros(self.tile_bytes // 2 // k_cache.element_size(), dtype=k_cache.dtype) for n in 'kv'}
 
     def _gather(self, pool: torch.Tensor, pages: torch.Tensor, name: str) -> torch.Tensor:
@@ -109,6 +116,7 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, meta: ForwardMeta):
         "Take the metadata of the batch about to run; decode works out its tiles (rows, page lists, masks) once for all layers."
         self.meta, ps = meta, meta.page_size
+        if self.use_cpu_kernel: return self._prepare_kernel(meta)
         if meta.phase != 'decode': return
         lens, dev = meta.host_seq_lens, meta.table_idx.device
         groups = length_groups(lens, ps) if lens is not None else [(None, -(-meta.max_seq_len // ps))]
@@ -129,12 +137,26 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = (torch.arange(n * ps, device=dev)[None, :] < seq[:, None].long())[:, None, None, :]
                 self._tiles.append((idx, pages, mask))
 
+    def _prepare_kernel(self, meta: ForwardMeta):
+        "For the C kernel: decode needs nothing more; a prefill picks its tokens that attend over a cached prefix."
+        self._kernel_rows = None
+        if meta.phase == 'decode': return
+        prefix, extend = meta.prefix_lens.tolist(), meta.extend_lens.tolist()
+        pick = [i for i, (p, n) in enumerate(zip(prefix, extend)) if p > 0 and n <= self.kernel_extend_max]
+        if not pick: return
+        starts = (meta.last_indices - meta.extend_lens + 1).tolist()
+        tokens = torch.cat([torch.arange(starts[i], starts[i] + extend[i]) for i in pick])   # their tokens in the batch
+        self._kernel_rows = (set(pick), tokens, torch.repeat_interleave(meta.table_idx[pick], meta.extend_lens[pick]),
+                             (meta.positions[tokens] + 1).int())                       # each token sees up to itself
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         "Store `k`, `v` `[T, KVH, D]` for `layer`, then attend with `q` `[T, H, D]`; returns `[T, H, D]`."
         m, kc, vc = self.meta, self.k_cache[layer], self.v_cache[layer]
         kc[m.out_loc] = k.to(kc.dtype); vc[m.out_loc] = v.to(vc.dtype)
         T, H, D = q.shape
         kvh = k.shape[1]; g = H // kvh
+        if self.use_cpu_kernel and m.phase == 'decode':      # each request's pages read in place
+            return paged_attention(q, kc, vc, m.page_table, m.table_idx, m.seq_lens, self.scale, m.page_size)
         if m.phase == 'decode':
             kp, vp = kc.view(-1, m.page_size * kvh * D), vc.view(-1, m.page_size * kvh * D)   # one row per page
             q4 = q.view(T, kvh, g, D).to(kc.dtype)
@@ -148,8 +170,13 @@ class TorchAttentionBackend(AttentionBackend):
                 else: out.index_copy_(0, idx, o)
             return out.reshape(T, H, D).to(q.dtype)
         out = torch.empty_like(q)
+        picked = set()
+        if self.use_cpu_kernel and self._kernel_rows is not None:   # short extends over a cached prefix: the C kernel
+            picked, tokens, rows, lens = self._kernel_rows
+            out[tokens] = paged_attention(q[tokens], kc, vc, m.page_table, rows, lens, self.scale, m.page_size)
         starts = (m.last_indices - m.extend_lens + 1).tolist()
         for i, (row, prefix, n, s) in enumerate(zip(m.table_idx.tolist(), m.prefix_lens.tolist(), m.extend_lens.tolist(), starts)):
+            if i in picked: continue
             if prefix == 0:                                   # nothing cached: plain causal attention over the new keys
                 qi, ki, vi = (t[s:s + n].to(kc.dtype).transpose(0, 1)[None] for t in (q, k, v))   # [1, heads, n, D]
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
@@ -164,7 +191,7 @@ class TorchAttentionBackend(AttentionBackend):
             out[s:s + n] = o.view(kvh, g, n, D).permute(2, 0, 1, 3).reshape(n, H, D).to(q.dtype)
         return out
 
-# %% ../nbs/08_metadata.ipynb #e89d3d8b
+# %% ../nbs/08_metadata.ipynb #389481fb
 class TritonAttentionBackend(AttentionBackend):
     "Stores K/V and attends through the page table with the Triton kernels: flash decoding, and paged flash attention for prefill."
     name = 'triton'
@@ -189,7 +216,7 @@ class TritonAttentionBackend(AttentionBackend):
         return extend_attention(q, k, v, kc, vc, m.page_table, m.table_idx, m.prefix_lens, m.extend_lens, self.scale,
                                 self._max_extend_len)
 
-# %% ../nbs/08_metadata.ipynb #19851e93
+# %% ../nbs/08_metadata.ipynb #84b55a86
 ATTENTION_BACKENDS = {'torch': TorchAttentionBackend, 'triton': TritonAttentionBackend}
 
 def make_attention_backend(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
@@ -200,7 +227,7 @@ def make_attention_backend(name: str, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError("attention_backend: 'triton' needs the KV pool on a GPU, or the Triton interpreter (TRITON_INTERPRET=1)")
     return ATTENTION_BACKENDS[name](k_cache, v_cache, scale)
 
-# %% ../nbs/08_metadata.ipynb #c6066b8a
+# %% ../nbs/08_metadata.ipynb #f8449655
 def graph_batch_sizes(max_bs: int) -> list[int]:
     "The decode batch sizes to capture: 1, 2, 4, 8, then every 8, and `max_bs` itself."
     sizes = [s for s in (1, 2, 4) if s < max_bs] + list(range(8, max_bs, 8)) + [max_bs]

@@ -18,11 +18,12 @@ from .config import ModelConfig
 from .kernels import rms_norm, rms_norm_ref, rope, rope_cos_sin_cache, rope_ref, silu_and_mul, silu_and_mul_ref
 
 # %% auto #0
-__all__ = ['TORCH_OPS', 'TRITON_OPS', 'ONEDNN_MAX_ROWS', 'ONEDNN_ROW_STEP', 'AttentionFn', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS',
-           'Ops', 'default_weight_loader', 'linear', 'pack_cpu_weights', 'unpack_cpu_weights', 'ColumnParallelLinear',
-           'MergedColumnParallelLinear', 'QKVParallelLinear', 'RowParallelLinear', 'VocabParallelEmbedding',
-           'ParallelLMHead', 'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP', 'DecoderLayer', 'DecoderModel',
-           'DecoderForCausalLM', 'build_model', 'checkpoint_files', 'load_weights', 'resolve_model_path', 'load_model']
+__all__ = ['TORCH_OPS', 'TRITON_OPS', 'ONEDNN_MAX_ROWS', 'AttentionFn', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'Ops',
+           'default_weight_loader', 'onednn_rows', 'linear', 'pack_cpu_weights', 'unpack_cpu_weights',
+           'ColumnParallelLinear', 'MergedColumnParallelLinear', 'QKVParallelLinear', 'RowParallelLinear',
+           'VocabParallelEmbedding', 'ParallelLMHead', 'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP', 'DecoderLayer',
+           'DecoderModel', 'DecoderForCausalLM', 'build_model', 'checkpoint_files', 'load_weights',
+           'resolve_model_path', 'load_model']
 
 # %% ../nbs/07_model.ipynb #e707e8a4
 class Ops(NamedTuple):
@@ -64,18 +65,22 @@ _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkld
 
 _ONEDNN_PACK = _ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, '_reorder_linear_weight')
 
-ONEDNN_MAX_ROWS, ONEDNN_ROW_STEP = 256, 16   # oneDNN for decode-sized products, their rows padded to a multiple of 16
+ONEDNN_MAX_ROWS = 256   # oneDNN takes decode-sized products; larger ones go to MKL
+
+def onednn_rows(m: int) -> int:
+    "The row count `linear` pads `m` rows to for oneDNN: exact up to 16, a multiple of 4 up to 64, of 16 above."
+    return m if m <= 16 else -(-m // 4) * 4 if m <= 64 else -(-m // 16) * 16
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     "`F.linear`; in fp32 on a CPU, up to 256 rows, through oneDNN (with the weight's packed copy, if `pack_cpu_weights` made one)."
     # NOTE: the same products summed in another order: equal to F.linear to fp32 rounding, not bit for bit.
-    # oneDNN keeps a compiled kernel, and memory, for every row count it meets: padding the rows to a multiple of 16
-    # bounds that to 16 shapes per weight (an unpadded server grew by hundreds of MB); larger products go to MKL.
+    # oneDNN keeps a compiled kernel, and memory, for every row count it meets: padding the rows into 40 classes
+    # (`onednn_rows`) bounds that per weight (an unpadded server grew by hundreds of MB); larger products go to MKL.
     m = x.shape[0] if x.dim() == 2 else 0
     if (_ONEDNN_LINEAR and x.device.type == 'cpu' and x.dtype == weight.dtype == torch.float32 and 0 < m <= ONEDNN_MAX_ROWS
             and not (x.requires_grad or weight.requires_grad)):
         w = getattr(weight, 'onednn_packed', None)
-        pad = -m % ONEDNN_ROW_STEP
+        pad = onednn_rows(m) - m
         x = F.pad(x, (0, 0, 0, pad)) if pad else x.contiguous()
         y = torch.ops.mkldnn._linear_pointwise(x, weight if w is None else w, bias, 'none', [], '')
         return y[:m] if pad else y
