@@ -20,10 +20,10 @@ from .kernels import rms_norm, rms_norm_ref, rope, rope_cos_sin_cache, rope_ref,
 # %% auto #0
 __all__ = ['TORCH_OPS', 'TRITON_OPS', 'ONEDNN_MAX_ROWS', 'AttentionFn', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'Ops',
            'default_weight_loader', 'onednn_rows', 'linear', 'pack_cpu_weights', 'unpack_cpu_weights',
-           'ColumnParallelLinear', 'MergedColumnParallelLinear', 'QKVParallelLinear', 'RowParallelLinear',
-           'VocabParallelEmbedding', 'ParallelLMHead', 'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP', 'DecoderLayer',
-           'DecoderModel', 'DecoderForCausalLM', 'build_model', 'checkpoint_files', 'load_weights',
-           'resolve_model_path', 'load_model']
+           'warm_up_linears', 'ColumnParallelLinear', 'MergedColumnParallelLinear', 'QKVParallelLinear',
+           'RowParallelLinear', 'VocabParallelEmbedding', 'ParallelLMHead', 'RMSNorm', 'RotaryEmbedding', 'Attention',
+           'MLP', 'DecoderLayer', 'DecoderModel', 'DecoderForCausalLM', 'build_model', 'checkpoint_files',
+           'load_weights', 'resolve_model_path', 'load_model']
 
 # %% ../nbs/07_model.ipynb #e707e8a4
 class Ops(NamedTuple):
@@ -100,6 +100,22 @@ def pack_cpu_weights(model: nn.Module, batch_hint: int = 64) -> int:
 def unpack_cpu_weights(model: nn.Module):
     "Drop the packed copies (before the weights change)."
     for p in model.parameters(): p.__dict__.pop('onednn_packed', None)
+
+def warm_up_linears(model: nn.Module) -> int:
+    "Multiply once by each fp32 CPU linear weight shape of `model` (with or without its bias) at every oneDNN row class; returns how many."
+    # NOTE: oneDNN builds a kernel, and keeps memory, per (weight shape, bias, row count): met here, at load, a server's
+    # memory is what it will stay at, instead of growing each time a new batch size shows up.
+    if not _ONEDNN_LINEAR: return 0
+    kinds = {}
+    for m in model.modules():
+        w = getattr(m, 'weight', None)
+        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and w.device.type == 'cpu' and w.dtype == torch.float32:
+            b = m.bias if isinstance(m, ColumnParallelLinear) else None        # as each forward calls `linear`
+            kinds.setdefault((tuple(w.shape), b is not None), (w, b))
+    with torch.inference_mode():
+        for w, b in kinds.values():
+            for rows in sorted({onednn_rows(m) for m in range(1, ONEDNN_MAX_ROWS + 1)}): linear(w.new_zeros(rows, w.shape[1]), w, b)
+    return len(kinds)
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(x)
@@ -250,7 +266,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size > 1: logits = _all_gather_last(logits, self.tp_size)[..., :self.num_embeddings]
         return logits.float()
 
-# %% ../nbs/07_model.ipynb #449a09ba
+# %% ../nbs/07_model.ipynb #0cac6151
 class RMSNorm(nn.Module):
     "RMSNorm; with a `residual`, normalises `x + residual` and returns the sum too."
     def __init__(self, dim: int, eps: float):
@@ -367,7 +383,7 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(m, (RMSNorm, RotaryEmbedding, MLP)): m.ops = TRITON_OPS if enabled else TORCH_OPS
         return self
 
-# %% ../nbs/07_model.ipynb #0cac6151
+# %% ../nbs/07_model.ipynb #175a9944
 @contextmanager
 def _default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
@@ -381,7 +397,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype | None = None, device: s
     with torch.device(device), _default_dtype(dtype or config.dtype):
         return DecoderForCausalLM(config, tp_rank, tp_size, max_positions).eval()
 
-# %% ../nbs/07_model.ipynb #34064ebc
+# %% ../nbs/07_model.ipynb #c67d465f
 # checkpoint module name -> (nanoserve module name, shard_id)
 STACKED_PARAMS = {'q_proj': ('qkv_proj', 'q'), 'k_proj': ('qkv_proj', 'k'), 'v_proj': ('qkv_proj', 'v'),
                   'gate_proj': ('gate_up_proj', 0), 'up_proj': ('gate_up_proj', 1)}
@@ -436,7 +452,7 @@ def load_weights(model: DecoderForCausalLM, path: str | Path):
                 try: param.weight_loader(param, st.get_tensor(name), shard_id)
                 except ValueError as e: raise ValueError(f'{name}: {e}') from e
 
-# %% ../nbs/07_model.ipynb #c67d465f
+# %% ../nbs/07_model.ipynb #3a31c6fc
 HUB_ALLOW_PATTERNS = ['*.json', '*.safetensors', 'tokenizer*', '*.model', '*.tiktoken', 'merges.txt', '*.jinja']
 
 def _hub_offline() -> bool: return os.environ.get('HF_HUB_OFFLINE', '').strip().lower() in ('1', 'on', 'yes', 'true')
@@ -464,4 +480,5 @@ def load_model(model: str | Path, dtype: torch.dtype | None = None, device: str 
     net = build_model(config, dtype, device, tp_rank, tp_size, max_positions)
     load_weights(net, path)
     pack_cpu_weights(net)
+    warm_up_linears(net)
     return net, config
