@@ -11,12 +11,13 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['C_SOURCE', 'CPU_KERNELS_ENV', 'CFLAGS', 'log', 'kernel_cache_dir', 'compile_library', 'cpu_kernels', 'supports',
-           'paged_attention']
+__all__ = ['C_SOURCE', 'CPU_KERNELS_ENV', 'CFLAGS', 'log', 'MAX_BLOCK', 'Blocks', 'kernel_cache_dir', 'compile_library',
+           'cpu_kernels', 'supports', 'single_blocks', 'paged_attention', 'shared_prefix_blocks', 'extend_blocks']
 
 # %% ../nbs/06a_cpu_kernels.ipynb #07426327
 C_SOURCE = r'''
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
@@ -118,45 +119,90 @@ INLINE void softmax(float *s, int len, int ls, int G) {
 #define BY_HB(hb, call, ...) do { if ((hb) == 3) call(__VA_ARGS__, 3, D, row); else if ((hb) == 2) call(__VA_ARGS__, 2, D, row); \
                                   else call(__VA_ARGS__, 1, D, row); } while (0)
 
-/* the G query heads q [G, D] of one KV head over positions [0, len) of the page-table row `slots`, into o [G, D] */
-INLINE void attend(const float *q, const float *k, const float *v, const int32_t *slots, int len, float *o, float *s,
-                   int G, int KVH, const int D, int ps, float scale) {
-    const int row = KVH * D, ls = (len + 7) & ~7;
-    for (int t0 = 0; t0 < len; t0 += ps) {               /* a page's positions are consecutive slots */
-        const float *kp = k + (int64_t)slots[t0] * row;
-        const int n = len - t0 < ps ? len - t0 : ps;
-        for (int g = 0; g < G; g += 3) BY_HB(G - g < 3 ? G - g : 3, scores, q + g * D, kp, n, s + g * ls + t0, ls, scale);
+/* Positions [a, b) of a page-table row, a run of consecutive slots at a time: a run ends at a page boundary. */
+#define FOR_RUNS(slots, a, b, t, n) for (int t = (a), n; t < (b) && (n = ((ps - t % ps) < (b) - t ? ps - t % ps : (b) - t)) > 0; t += n)
+
+/* The G query heads of one KV head, for the R query rows of a block (query row r: q + order[r] * q_stride, seeing
+   positions [0, lens[r]) of page-table row prow[r]); positions [0, shared) are the same slots in every row of the
+   block, so each of their keys and values is read from memory once for all R rows. s: R * G rows of ls scores. */
+INLINE void attend_block(const float *q, int64_t q_stride, const float *k, const float *v, const int32_t *const *prow,
+                         const int32_t *order, const int32_t *lens, int R, int shared, float *o, int64_t o_stride, float *s,
+                         int ls, int G, int KVH, const int D, int ps, float scale) {
+    const int row = KVH * D;
+    FOR_RUNS(prow[0], 0, shared, t0, n) {                /* shared keys: one page in cache, every row of the block */
+        const float *kp = k + (int64_t)prow[0][t0] * row;
+        for (int r = 0; r < R; r++)
+            for (int g = 0; g < G; g += 3)
+                BY_HB(G - g < 3 ? G - g : 3, scores, q + order[r] * q_stride + g * D, kp, n, s + (r * G + g) * ls + t0, ls, scale);
     }
-    softmax(s, len, ls, G);
-    memset(o, 0, sizeof(float) * G * D);
-    for (int t0 = 0; t0 < len; t0 += ps) {
-        const float *vp = v + (int64_t)slots[t0] * row;
-        const int n = len - t0 < ps ? len - t0 : ps;
-        for (int g = 0; g < G; g += 3) BY_HB(G - g < 3 ? G - g : 3, values, s + g * ls + t0, vp, n, o + g * D, ls);
+    for (int r = 0; r < R; r++) {                        /* each row's own keys */
+        FOR_RUNS(prow[r], shared, lens[r], t0, n) {
+            const float *kp = k + (int64_t)prow[r][t0] * row;
+            for (int g = 0; g < G; g += 3)
+                BY_HB(G - g < 3 ? G - g : 3, scores, q + order[r] * q_stride + g * D, kp, n, s + (r * G + g) * ls + t0, ls, scale);
+        }
+        softmax(s + r * G * ls, lens[r], ls, G);
+        memset(o + order[r] * o_stride, 0, sizeof(float) * G * D);
     }
+    FOR_RUNS(prow[0], 0, shared, t0, n) {
+        const float *vp = v + (int64_t)prow[0][t0] * row;
+        for (int r = 0; r < R; r++)
+            for (int g = 0; g < G; g += 3)
+                BY_HB(G - g < 3 ? G - g : 3, values, s + (r * G + g) * ls + t0, vp, n, o + order[r] * o_stride + g * D, ls);
+    }
+    for (int r = 0; r < R; r++)
+        FOR_RUNS(prow[r], shared, lens[r], t0, n) {
+            const float *vp = v + (int64_t)prow[r][t0] * row;
+            for (int g = 0; g < G; g += 3)
+                BY_HB(G - g < 3 ? G - g : 3, values, s + (r * G + g) * ls + t0, vp, n, o + order[r] * o_stride + g * D, ls);
+        }
 }
 
+#define MAX_BLOCK 16
+
 /* out[i] = attention of query row i (q + i * q_stride, [H, D]) over positions [0, lens[i]) of page-table row rows[i].
-   k, v: one layer's pool [slots, KVH, D]; page_table: [num_rows, width] int32 slot ids; scratch: `threads` rows of
-   scratch_stride floats. Returns 0, or -1 for a length outside [1, width], -2 for a row outside [0, num_rows). */
+   The rows are taken in blocks: block b is rows order[starts[b] .. starts[b + 1]), at most 16, which share the slots of
+   positions [0, shared[b]). k, v: one layer's pool [slots, KVH, D]; page_table: [num_rows, width] int32 slot ids;
+   scratch: `threads` rows of scratch_stride floats. Returns 0, or -1 for a length outside [1, width], -2 for a row
+   outside [0, num_rows), -3 for bad blocks (one empty or over 16 rows, a row in none or two, a shared part past a
+   row's length), -4 when out of memory. */
 int paged_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v, const int32_t *page_table,
                         int64_t num_rows, int64_t width, const int32_t *rows, const int32_t *lens, float *out,
                         float *scratch, int64_t scratch_stride, int threads, int64_t N, int H, int KVH, int D, int ps,
-                        float scale) {
+                        float scale, const int32_t *order, const int32_t *starts, const int32_t *shared, int64_t num_blocks) {
+    const int64_t ls_max = (width + 7) & ~7;
+    if (H % KVH || (int64_t)MAX_BLOCK * (H / KVH) * ls_max > scratch_stride) return -3;
     for (int64_t i = 0; i < N; i++) {
-        if (lens[i] < 1 || lens[i] > width || (int64_t)H * ((lens[i] + 7) & ~7) > scratch_stride) return -1;
+        if (lens[i] < 1 || lens[i] > width) return -1;
         if (rows[i] < 0 || rows[i] >= num_rows) return -2;
     }
+    if (starts[0] != 0 || starts[num_blocks] != N) return -3;
+    unsigned char *seen = calloc(N, 1);                  /* every query row in exactly one block */
+    if (!seen) return -4;
+    int bad = 0;
+    for (int64_t b = 0; b < num_blocks && !bad; b++) {
+        if (starts[b + 1] - starts[b] < 1 || starts[b + 1] - starts[b] > MAX_BLOCK || shared[b] < 0) bad = 1;
+        for (int j = starts[b]; j < starts[b + 1] && !bad; j++)
+            if (order[j] < 0 || order[j] >= N || seen[order[j]]++ || shared[b] > lens[order[j]]) bad = 1;
+    }
+    free(seen);
+    if (bad) return -3;
     const int G = H / KVH;
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t w = 0; w < N * KVH; w++) {              /* a work item: one query row, one KV head */
-        const int64_t i = w / KVH; const int kh = w % KVH;
-        const int32_t *slots = page_table + (int64_t)rows[i] * width;
-        const float *qi = q + i * q_stride + (int64_t)kh * G * D, *ki = k + (int64_t)kh * D, *vi = v + (int64_t)kh * D;
-        float *oi = out + (i * H + (int64_t)kh * G) * D, *s = scratch + omp_get_thread_num() * scratch_stride;
-        if (D == 64) attend(qi, ki, vi, slots, lens[i], oi, s, G, KVH, 64, ps, scale);
-        else if (D == 128) attend(qi, ki, vi, slots, lens[i], oi, s, G, KVH, 128, ps, scale);
-        else attend(qi, ki, vi, slots, lens[i], oi, s, G, KVH, D, ps, scale);
+    for (int64_t w = 0; w < num_blocks * KVH; w++) {     /* a work item: one block, one KV head */
+        const int64_t b = w / KVH; const int kh = w % KVH;
+        const int R = starts[b + 1] - starts[b];
+        const int32_t *ord = order + starts[b], *prow[MAX_BLOCK];
+        int32_t len[MAX_BLOCK]; int ls = 8;
+        for (int r = 0; r < R; r++) {
+            prow[r] = page_table + (int64_t)rows[ord[r]] * width; len[r] = lens[ord[r]];
+            if (((len[r] + 7) & ~7) > ls) ls = (len[r] + 7) & ~7;
+        }
+        const float *qb = q + (int64_t)kh * G * D, *kb = k + (int64_t)kh * D, *vb = v + (int64_t)kh * D;
+        float *ob = out + (int64_t)kh * G * D, *s = scratch + omp_get_thread_num() * scratch_stride;
+        if (D == 64) attend_block(qb, q_stride, kb, vb, prow, ord, len, R, shared[b], ob, (int64_t)H * D, s, ls, G, KVH, 64, ps, scale);
+        else if (D == 128) attend_block(qb, q_stride, kb, vb, prow, ord, len, R, shared[b], ob, (int64_t)H * D, s, ls, G, KVH, 128, ps, scale);
+        else attend_block(qb, q_stride, kb, vb, prow, ord, len, R, shared[b], ob, (int64_t)H * D, s, ls, G, KVH, D, ps, scale);
     }
     return 0;
 }
@@ -201,7 +247,7 @@ def compile_library(source: str = C_SOURCE, cc: str | None = None, flags: list[s
 def _bind(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.paged_attention_f32.argtypes = [P, L, P, P, P, L, L, P, P, P, P, L, I, L, I, I, I, I, ctypes.c_float]
+    lib.paged_attention_f32.argtypes = [P, L, P, P, P, L, L, P, P, P, P, L, I, L, I, I, I, I, ctypes.c_float, P, P, P, L]
     lib.paged_attention_f32.restype = I
     return lib
 
@@ -220,6 +266,15 @@ def supports(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     return (q.device.type == k_pool.device.type == 'cpu' and q.dtype == k_pool.dtype == torch.float32 and q.dim() == 3
             and k_pool.dim() == 3 and q.shape[2] == k_pool.shape[2] and q.shape[2] % 8 == 0 and q.shape[1] % k_pool.shape[1] == 0)
 
+MAX_BLOCK = 16   # query rows per block (the C kernel's limit)
+
+Blocks = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"`(order, starts, shared)`, int32: block `b` is query rows `order[starts[b]:starts[b + 1]]`, which share positions `[0, shared[b])`."
+
+def single_blocks(n: int) -> Blocks:
+    "Every query row a block of its own, sharing nothing."
+    return torch.arange(n, dtype=torch.int32), torch.arange(n + 1, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
+
 def paged_attention(q: torch.Tensor,           # [N, H, D] fp32: one query row each (a row-strided view is fine)
                     k_pool: torch.Tensor,      # [num_slots, KVH, D] fp32, contiguous: one layer's keys
                     v_pool: torch.Tensor,      # same: its values
@@ -228,6 +283,7 @@ def paged_attention(q: torch.Tensor,           # [N, H, D] fp32: one query row e
                     lens: torch.Tensor,        # [N] int32: how many positions, from 0, each query row sees
                     scale: float,              # softmax scale
                     page_size: int,            # positions [j * page_size, (j + 1) * page_size) of a row are consecutive slots
+                    blocks: Blocks | None = None,   # query rows that share leading positions (default: none share)
                     out: torch.Tensor | None = None) -> torch.Tensor:
     "Attention of each query row over its first `lens[i]` positions, read in place from the paged pool; returns `[N, H, D]`."
     lib = cpu_kernels()
@@ -238,20 +294,52 @@ def paged_attention(q: torch.Tensor,           # [N, H, D] fp32: one query row e
         raise ValueError('paged_attention: k_pool and v_pool must be contiguous tensors of one shape and dtype')
     if q.stride(2) != 1 or q.stride(1) != q.shape[2]: raise ValueError('paged_attention: each query row must be [H, D] contiguous')
     N, H, D = q.shape
-    for name, t in (('rows', rows), ('lens', lens)):
-        if t.dtype != torch.int32 or t.shape != (N,) or not t.is_contiguous() or t.device.type != 'cpu':
-            raise ValueError(f'paged_attention: {name} must be a contiguous int32 CPU tensor of shape ({N},)')
+    order, starts, shared = single_blocks(N) if blocks is None else blocks
+    for name, t, n in (('rows', rows, N), ('lens', lens, N), ('order', order, N), ('starts', starts, None), ('shared', shared, None)):
+        if t.dtype != torch.int32 or t.dim() != 1 or (n is not None and t.shape[0] != n) or not t.is_contiguous() or t.device.type != 'cpu':
+            raise ValueError(f'paged_attention: {name} must be a contiguous int32 CPU tensor' + (f' of shape ({n},)' if n is not None else ''))
+    if starts.shape[0] != shared.shape[0] + 1: raise ValueError('paged_attention: blocks need one more start than shared lengths')
     if page_table.dtype != torch.int32 or page_table.dim() != 2 or not page_table.is_contiguous() or page_table.device.type != 'cpu':
         raise ValueError('paged_attention: page_table must be a contiguous int32 [rows, width] CPU tensor')
     if page_size < 1: raise ValueError(f'paged_attention: page_size must be >= 1, got {page_size}')
     out = torch.empty(N, H, D) if out is None else out
     if N == 0: return out
-    threads = torch.get_num_threads()
-    width = page_table.shape[1]
-    scratch = torch.empty(threads, H * (-(-width // 8) * 8))
+    threads, width, G = torch.get_num_threads(), page_table.shape[1], H // k_pool.shape[1]
+    scratch = torch.empty(threads, MAX_BLOCK * G * (-(-width // 8) * 8))
     err = lib.paged_attention_f32(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), page_table.data_ptr(),
                                   page_table.shape[0], width, rows.data_ptr(), lens.data_ptr(), out.data_ptr(),
-                                  scratch.data_ptr(), scratch.stride(0), threads, N, H, k_pool.shape[1], D, page_size, scale)
+                                  scratch.data_ptr(), scratch.stride(0), threads, N, H, k_pool.shape[1], D, page_size, scale,
+                                  order.data_ptr(), starts.data_ptr(), shared.data_ptr(), shared.shape[0])
     if err == -1: raise ValueError(f'paged_attention: every length must be in [1, {width}] (the page-table width); got {lens.tolist()}')
     if err == -2: raise ValueError(f'paged_attention: every row must be in [0, {page_table.shape[0]}); got {rows.tolist()}')
+    if err == -3: raise ValueError(f'paged_attention: bad blocks: each must hold 1 to {MAX_BLOCK} of the {N} query rows, once each, '
+                                   f'and share no more positions than its shortest row sees')
+    if err: raise MemoryError('paged_attention: out of memory')
     return out
+
+def shared_prefix_blocks(page_table: torch.Tensor, rows: list[int], lens: list[int], page_size: int) -> Blocks:
+    "Decode blocks: query rows whose page-table rows start with the same pages (a prefix shared in the radix cache), up to 16 a block."
+    first = page_table[rows, 0].tolist()
+    groups: dict[int, list[int]] = {}
+    for i, f in enumerate(first): groups.setdefault(f, []).append(i)
+    if len(groups) == len(rows): return single_blocks(len(rows))
+    order, starts, shared = [], [0], []
+    for members in groups.values():
+        for c in range(0, len(members), MAX_BLOCK):
+            chunk = members[c:c + MAX_BLOCK]
+            n = min(lens[i] for i in chunk) // page_size        # whole pages every row of the chunk has
+            common = 0
+            if len(chunk) > 1 and n:
+                pages = page_table[[rows[i] for i in chunk], 0:n * page_size:page_size]
+                common = int((pages == pages[:1]).all(0).int().cumprod(0).sum()) * page_size
+            order += chunk; starts.append(len(order)); shared.append(common)
+    as_t = lambda x: torch.tensor(x, dtype=torch.int32)
+    return as_t(order), as_t(starts), as_t(shared)
+
+def extend_blocks(prefix_lens: list[int], extend_lens: list[int]) -> Blocks:
+    "Prefill blocks: each request's new tokens (consecutive query rows), 16 at a time, sharing the request's cached prefix."
+    starts, shared, at = [0], [], 0
+    for p, n in zip(prefix_lens, extend_lens):
+        for c in range(0, n, MAX_BLOCK):
+            at += min(MAX_BLOCK, n - c); starts.append(at); shared.append(p)
+    return torch.arange(at, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), torch.tensor(shared, dtype=torch.int32)

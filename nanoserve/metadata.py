@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from .req import Batch
 from .pages import PageTable
 from .kernels import INTERPRET, decode_attention, decode_num_splits, extend_attention, store_kv
-from .cpu_kernels import cpu_kernels, paged_attention
+from .cpu_kernels import cpu_kernels, extend_blocks, paged_attention, shared_prefix_blocks
 
 # %% auto #0
 __all__ = ['ATTENTION_BACKENDS', 'ForwardMeta', 'build_metadata', 'length_groups', 'AttentionBackend', 'TorchAttentionBackend',
@@ -91,7 +91,7 @@ class AttentionBackend:
 class TorchAttentionBackend(AttentionBackend):
     "Stores K/V into the paged pool and attends through the page table: with the C kernel on a CPU, else with plain torch ops."
     name = 'torch'
-    kernel_extend_max = 64   # a prefill over a cached prefix uses the C kernel for requests of up to this many new tokens
+    kernel_extend_max: int | None = None   # with the C kernel, extends over a cached prefix up to this long use it (None: all)
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, use_cpu_kernel: bool | None = None):
         super().__init__(k_cache, v_cache, scale)
@@ -138,16 +138,21 @@ class TorchAttentionBackend(AttentionBackend):
                 self._tiles.append((idx, pages, mask))
 
     def _prepare_kernel(self, meta: ForwardMeta):
-        "For the C kernel: decode needs nothing more; a prefill picks its tokens that attend over a cached prefix."
+        "For the C kernel: decode rows in blocks by shared leading pages; a prefill picks its tokens that attend over a cached prefix."
         self._kernel_rows = None
-        if meta.phase == 'decode': return
+        if meta.phase == 'decode':
+            lens = meta.host_seq_lens if meta.host_seq_lens is not None else meta.seq_lens.tolist()
+            self._blocks = shared_prefix_blocks(meta.page_table, meta.table_idx.tolist(), lens, meta.page_size)
+            return
         prefix, extend = meta.prefix_lens.tolist(), meta.extend_lens.tolist()
-        pick = [i for i, (p, n) in enumerate(zip(prefix, extend)) if p > 0 and n <= self.kernel_extend_max]
+        limit = self.kernel_extend_max
+        pick = [i for i, (p, n) in enumerate(zip(prefix, extend)) if p > 0 and (limit is None or n <= limit)]
         if not pick: return
         starts = (meta.last_indices - meta.extend_lens + 1).tolist()
         tokens = torch.cat([torch.arange(starts[i], starts[i] + extend[i]) for i in pick])   # their tokens in the batch
         self._kernel_rows = (set(pick), tokens, torch.repeat_interleave(meta.table_idx[pick], meta.extend_lens[pick]),
-                             (meta.positions[tokens] + 1).int())                       # each token sees up to itself
+                             (meta.positions[tokens] + 1).int(),                       # each token sees up to itself
+                             extend_blocks([prefix[i] for i in pick], [extend[i] for i in pick]))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         "Store `k`, `v` `[T, KVH, D]` for `layer`, then attend with `q` `[T, H, D]`; returns `[T, H, D]`."
@@ -156,7 +161,7 @@ class TorchAttentionBackend(AttentionBackend):
         T, H, D = q.shape
         kvh = k.shape[1]; g = H // kvh
         if self.use_cpu_kernel and m.phase == 'decode':      # each request's pages read in place
-            return paged_attention(q, kc, vc, m.page_table, m.table_idx, m.seq_lens, self.scale, m.page_size)
+            return paged_attention(q, kc, vc, m.page_table, m.table_idx, m.seq_lens, self.scale, m.page_size, self._blocks)
         if m.phase == 'decode':
             kp, vp = kc.view(-1, m.page_size * kvh * D), vc.view(-1, m.page_size * kvh * D)   # one row per page
             q4 = q.view(T, kvh, g, D).to(kc.dtype)
@@ -172,8 +177,8 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         picked = set()
         if self.use_cpu_kernel and self._kernel_rows is not None:   # short extends over a cached prefix: the C kernel
-            picked, tokens, rows, lens = self._kernel_rows
-            out[tokens] = paged_attention(q[tokens], kc, vc, m.page_table, rows, lens, self.scale, m.page_size)
+            picked, tokens, rows, lens, blocks = self._kernel_rows
+            out[tokens] = paged_attention(q[tokens], kc, vc, m.page_table, rows, lens, self.scale, m.page_size, blocks)
         starts = (m.last_indices - m.extend_lens + 1).tolist()
         for i, (row, prefix, n, s) in enumerate(zip(m.table_idx.tolist(), m.prefix_lens.tolist(), m.extend_lens.tolist(), starts)):
             if i in picked: continue
