@@ -10,9 +10,12 @@ from pathlib import Path
 
 import torch
 
+from .kernels import rms_norm_ref, rope_ref, silu_and_mul_ref
+
 # %% auto #0
 __all__ = ['C_SOURCE', 'CPU_KERNELS_ENV', 'CFLAGS', 'log', 'MAX_BLOCK', 'Blocks', 'kernel_cache_dir', 'compile_library',
-           'cpu_kernels', 'supports', 'single_blocks', 'paged_attention', 'shared_prefix_blocks', 'extend_blocks']
+           'cpu_kernels', 'supports', 'single_blocks', 'paged_attention', 'shared_prefix_blocks', 'extend_blocks',
+           'rms_norm_cpu', 'rope_cpu', 'silu_and_mul_cpu']
 
 # %% ../nbs/06a_cpu_kernels.ipynb #07426327
 C_SOURCE = r'''
@@ -29,7 +32,7 @@ typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
 
 INLINE v8 vmax(v8 a, v8 b) { v8i m = a > b; return (v8)((m & (v8i)a) | (~m & (v8i)b)); }
 
-/* e^x of eight x <= 0: 2^n e^r with n = round(x / ln 2), |r| <= ln(2) / 2, e^r by a degree-6 polynomial */
+/* e^x of eight x in [-87, 88]: 2^n e^r with n = round(x / ln 2), |r| <= ln(2) / 2, e^r by a degree-6 polynomial */
 INLINE v8 exp8(v8 x) {
     x = vmax(x, (v8){0} - 87.0f);
     v8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;        /* round to nearest */
@@ -206,6 +209,59 @@ int paged_attention_f32(const float *q, int64_t q_stride, const float *k, const 
     }
     return 0;
 }
+
+/* ---- the small ops of a decoder layer, one pass each ---- */
+
+INLINE v8 vmin(v8 a, v8 b) { v8i m = a < b; return (v8)((m & (v8i)a) | (~m & (v8i)b)); }
+
+/* out = rmsnorm(x (+ residual)) * weight over rows of C floats (C % 8 == 0); with a residual, sum_out = x + residual */
+void rms_norm_f32(const float *x, int64_t sx, const float *residual, int64_t sr, const float *weight, float *out,
+                  float *sum_out, int64_t T, int C, float eps, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (T * C >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * sx; float *ot = out + t * C;
+        v8 acc = {0};
+        if (residual) {
+            const float *rt = residual + t * sr; float *st = sum_out + t * C;
+            for (int c = 0; c < C; c += 8) { v8 h = LD(xt + c) + LD(rt + c); *(v8 *)(st + c) = h; acc += h * h; }
+            xt = st;
+        } else
+            for (int c = 0; c < C; c += 8) { v8 h = LD(xt + c); acc += h * h; }
+        const float inv = 1.0f / __builtin_sqrtf(hsum(acc) / C + eps);
+        for (int c = 0; c < C; c += 8) *(v8 *)(ot + c) = LD(xt + c) * inv * LD(weight + c);
+    }
+}
+
+/* rotate q [T, hq, D] and k [T, hk, D] (rows sq, sk apart, heads D apart) in place by the cos | sin row of each
+   token's position */
+void rope_f32(float *q, int64_t sq, int hq, float *k, int64_t sk, int hk, int64_t T, int D, const int64_t *positions,
+              const float *cos_sin, int64_t scs, int threads) {
+    const int half = D / 2;
+    #pragma omp parallel for num_threads(threads) schedule(static) if (T * (hq + hk) * D >= 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const float *cs = cos_sin + positions[t] * scs;
+        for (int h = 0; h < hq + hk; h++) {
+            float *x1 = h < hq ? q + t * sq + (int64_t)h * D : k + t * sk + (int64_t)(h - hq) * D, *x2 = x1 + half;
+            for (int i = 0; i < half; i += 8) {
+                v8 a = LD(x1 + i), b = LD(x2 + i), c = LD(cs + i), s = LD(cs + half + i);
+                *(v8 *)(x1 + i) = a * c - b * s; *(v8 *)(x2 + i) = b * c + a * s;
+            }
+        }
+    }
+}
+
+/* out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I] (rows sx apart), I % 8 == 0 */
+void silu_and_mul_f32(const float *x, int64_t sx, float *out, int64_t T, int I, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (T * I >= 32768)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = x + t * sx, *u = g + I; float *o = out + t * I;
+        for (int i = 0; i < I; i += 8) {
+            v8 a = LD(g + i);
+            v8 e = exp8(vmin((v8){0} - a, (v8){0} + 88.0f));     /* e^-a, kept finite */
+            *(v8 *)(o + i) = a / (1.0f + e) * LD(u + i);
+        }
+    }
+}
 '''
 
 # %% ../nbs/06a_cpu_kernels.ipynb #83c0d18b
@@ -249,6 +305,10 @@ def _bind(path: Path) -> ctypes.CDLL:
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.paged_attention_f32.argtypes = [P, L, P, P, P, L, L, P, P, P, P, L, I, L, I, I, I, I, ctypes.c_float, P, P, P, L]
     lib.paged_attention_f32.restype = I
+    lib.rms_norm_f32.argtypes = [P, L, P, L, P, P, P, L, I, ctypes.c_float, I]
+    lib.rope_f32.argtypes = [P, L, I, P, L, I, L, I, P, P, L, I]
+    lib.silu_and_mul_f32.argtypes = [P, L, P, L, I, I]
+    for f in (lib.rms_norm_f32, lib.rope_f32, lib.silu_and_mul_f32): f.restype = None
     return lib
 
 @cache
@@ -343,3 +403,48 @@ def extend_blocks(prefix_lens: list[int], extend_lens: list[int]) -> Blocks:
         for c in range(0, n, MAX_BLOCK):
             at += min(MAX_BLOCK, n - c); starts.append(at); shared.append(p)
     return torch.arange(at, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), torch.tensor(shared, dtype=torch.int32)
+
+# %% ../nbs/06a_cpu_kernels.ipynb #04ef9e35
+def _rows(x: torch.Tensor) -> torch.Tensor | None:
+    "`x` as a 2-D view `[rows, last]` with unit column stride, or None if it is not one."
+    v = x if x.dim() == 2 else x.reshape(-1, x.shape[-1]) if x.dim() > 2 and x.is_contiguous() else None
+    return v if v is not None and v.stride(-1) == 1 else None
+
+_F32 = torch.float32
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    "`rms_norm_ref` in one C pass per row (fp32 on a CPU, width a multiple of 8); otherwise the reference itself."
+    lib, x2 = cpu_kernels(), _rows(x)
+    r2 = None if residual is None else _rows(residual)
+    if (lib is None or x2 is None or x.dtype != _F32 or weight.dtype != _F32 or x.device.type != "cpu" or x.shape[-1] % 8 or not weight.is_contiguous()
+            or (residual is not None and (r2 is None or residual.dtype != _F32 or residual.shape != x.shape))):
+        return rms_norm_ref(x, weight, eps, residual)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if residual is None:
+        lib.rms_norm_f32(x2.data_ptr(), x2.stride(0), None, 0, weight.data_ptr(), out.data_ptr(), None, x2.shape[0], x2.shape[1], eps,
+                         torch.get_num_threads())
+        return out
+    total = torch.empty_like(out)
+    lib.rms_norm_f32(x2.data_ptr(), x2.stride(0), r2.data_ptr(), r2.stride(0), weight.data_ptr(), out.data_ptr(), total.data_ptr(),
+                     x2.shape[0], x2.shape[1], eps, torch.get_num_threads())
+    return out, total
+
+def rope_cpu(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "`rope_ref` in C, in place (fp32 on a CPU, head dim a multiple of 16, each token's heads contiguous); otherwise the reference."
+    lib, D = cpu_kernels(), q.shape[-1]
+    if (lib is None or q.dtype != _F32 or k.dtype != _F32 or cos_sin.dtype != _F32 or q.device.type != "cpu" or k.device.type != "cpu" or q.dim() != 3 or k.dim() != 3
+            or D % 16 or k.shape[-1] != D or cos_sin.shape[-1] != D or not cos_sin.is_contiguous() or positions.dtype != torch.int64
+            or not positions.is_contiguous() or q.stride(2) != 1 or q.stride(1) != D or k.stride(2) != 1 or k.stride(1) != D):
+        return rope_ref(q, k, positions, cos_sin)
+    lib.rope_f32(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1], q.shape[0], D, positions.data_ptr(),
+                 cos_sin.data_ptr(), cos_sin.stride(0), torch.get_num_threads())
+    return q, k
+
+def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
+    "`silu_and_mul_ref` in one C pass (fp32 on a CPU, half-width a multiple of 8); otherwise the reference."
+    lib, x2, I = cpu_kernels(), _rows(x), x.shape[-1] // 2
+    if lib is None or x2 is None or x.dtype != _F32 or x.device.type != "cpu" or I % 8: return silu_and_mul_ref(x)
+    out = torch.empty(*x.shape[:-1], I)
+    lib.silu_and_mul_f32(x2.data_ptr(), x2.stride(0), out.data_ptr(), x2.shape[0], I, torch.get_num_threads())
+    return out

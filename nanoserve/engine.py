@@ -13,7 +13,7 @@ from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
 from .req import Batch, Req, SamplingParams
 from .pages import PageAllocator, PageTable
 from .scheduler import Scheduler
-from .model import load_model, resolve_model_path
+from .model import CPU_OPS, TORCH_OPS, TRITON_OPS, load_model, resolve_model_path
 from .metadata import GraphRunner, build_metadata, make_attention_backend
 from .sampling import Sampler, SamplingBatch
 
@@ -68,7 +68,8 @@ class Worker:
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.backend = make_attention_backend(config.attention_backend, self.k_cache, self.v_cache, mc.head_dim ** -0.5)
-        self.model.use_triton_ops(self.backend.name == 'triton')   # the Triton backend brings the Triton norm/rope/act too
+        # the Triton backend brings the Triton norm/rope/act too; on a CPU, chapter 06a's C ops
+        self.model.use_ops(TRITON_OPS if self.backend.name == 'triton' else CPU_OPS if self.device.type == 'cpu' else TORCH_OPS)
         self.graphs = None      # decode CUDA graphs (chapter 08): on a GPU, with the Triton backend
         if self.device.type == 'cuda' and self.backend.name == 'triton' and config.cuda_graph_max_bs > 0:
             self.graphs = GraphRunner(self.model, self.backend, self.table, min(config.cuda_graph_max_bs, config.max_running_requests))

@@ -16,9 +16,10 @@ from torch import nn
 
 from .config import ModelConfig
 from .kernels import rms_norm, rms_norm_ref, rope, rope_cos_sin_cache, rope_ref, silu_and_mul, silu_and_mul_ref
+from .cpu_kernels import rms_norm_cpu, rope_cpu, silu_and_mul_cpu
 
 # %% auto #0
-__all__ = ['TORCH_OPS', 'TRITON_OPS', 'ONEDNN_MAX_ROWS', 'AttentionFn', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'Ops',
+__all__ = ['TORCH_OPS', 'TRITON_OPS', 'CPU_OPS', 'ONEDNN_MAX_ROWS', 'AttentionFn', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'Ops',
            'default_weight_loader', 'onednn_rows', 'linear', 'pack_cpu_weights', 'unpack_cpu_weights',
            'warm_up_linears', 'ColumnParallelLinear', 'MergedColumnParallelLinear', 'QKVParallelLinear',
            'RowParallelLinear', 'VocabParallelEmbedding', 'ParallelLMHead', 'RMSNorm', 'RotaryEmbedding', 'Attention',
@@ -34,6 +35,7 @@ class Ops(NamedTuple):
 
 TORCH_OPS = Ops(rms_norm_ref, rope_ref, silu_and_mul_ref)   # any device: the CPU default and the reference
 TRITON_OPS = Ops(rms_norm, rope, silu_and_mul)              # chapter 06's kernels: on a GPU, or in the interpreter
+CPU_OPS = Ops(rms_norm_cpu, rope_cpu, silu_and_mul_cpu)     # chapter 06a's C ops: fp32 on a CPU (else each falls back to its reference)
 
 # %% ../nbs/07_model.ipynb #c269e58e
 def _divide(n: int, d: int, what: str) -> int:
@@ -377,11 +379,15 @@ class DecoderForCausalLM(nn.Module):
         "fp32 logits `[N, vocab]` of the rows the caller chose (in prefill, each request's last position)."
         return self.lm_head(hidden)
 
+    def use_ops(self, ops: Ops) -> DecoderForCausalLM:
+        "Run every norm, rotary embedding and MLP activation with `ops` (`TORCH_OPS`, `TRITON_OPS` or `CPU_OPS`)."
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, RotaryEmbedding, MLP)): m.ops = ops
+        return self
+
     def use_triton_ops(self, enabled: bool = True) -> DecoderForCausalLM:
         "Run every norm, rotary embedding and MLP activation with chapter 06's Triton kernels (or, `False`, the torch references)."
-        for m in self.modules():
-            if isinstance(m, (RMSNorm, RotaryEmbedding, MLP)): m.ops = TRITON_OPS if enabled else TORCH_OPS
-        return self
+        return self.use_ops(TRITON_OPS if enabled else TORCH_OPS)
 
 # %% ../nbs/07_model.ipynb #175a9944
 @contextmanager

@@ -15,8 +15,8 @@ from nanoserve.cli import smollm2_path
 from nanoserve.llm import make_engine
 from nanoserve.req import SamplingParams
 
-VARIANTS = ['all on', 'gather + SDPA attention (no C kernel)', 'MKL linear (F.linear)', 'oneDNN linear, unpacked',
-            'oneDNN rows padded to 16']
+VARIANTS = ['all on', 'gather + SDPA attention (no C kernel)', 'torch small ops (no C ops)', 'MKL linear (F.linear)',
+            'oneDNN linear, unpacked', 'oneDNN rows padded to 16']
 
 def main(batch: int = 32, rounds: int = 6):
     engine = make_engine(EngineConfig(model=str(smollm2_path()), enable_overlap=False))
@@ -37,6 +37,7 @@ def main(batch: int = 32, rounds: int = 6):
             if name in ('MKL linear (F.linear)', 'oneDNN linear, unpacked'): p.__dict__.pop('onednn_packed', None)
             else: p.onednn_packed = packed[id(p)]
         backend.use_cpu_kernel = name != 'gather + SDPA attention (no C kernel)'
+        model.use_ops(M.TORCH_OPS if name == 'torch small ops (no C ops)' else M.CPU_OPS)
         M.onednn_rows = (lambda m: -(-m // 16) * 16) if name == 'oneDNN rows padded to 16' else rows
     times = {n: [] for n in VARIANTS}
     for _ in range(rounds):
