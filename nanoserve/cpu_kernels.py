@@ -15,7 +15,7 @@ from .kernels import rms_norm_ref, rope_ref, silu_and_mul_ref
 # %% auto #0
 __all__ = ['C_SOURCE', 'CPU_KERNELS_ENV', 'CFLAGS', 'log', 'MAX_BLOCK', 'Blocks', 'kernel_cache_dir', 'compile_library',
            'cpu_kernels', 'supports', 'single_blocks', 'paged_attention', 'shared_prefix_blocks', 'extend_blocks',
-           'rms_norm_cpu', 'rope_cpu', 'silu_and_mul_cpu']
+           'rms_norm_cpu', 'rope_cpu', 'silu_and_mul_cpu', 'zeros_huge']
 
 # %% ../nbs/06a_cpu_kernels.ipynb #07426327
 C_SOURCE = r'''
@@ -448,3 +448,18 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], I)
     lib.silu_and_mul_f32(x2.data_ptr(), x2.stride(0), out.data_ptr(), x2.shape[0], I, torch.get_num_threads())
     return out
+
+# %% ../nbs/06a_cpu_kernels.ipynb #853ed435
+def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    "A zeroed CPU tensor whose memory Linux is asked to back with transparent huge pages (before it is first touched)."
+    t = torch.empty(shape, dtype=dtype)
+    n = t.numel() * t.element_size()
+    if n >= 4 << 20 and platform.system() == 'Linux':
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+            huge = 2 << 20
+            start, end = -(-t.data_ptr() // huge) * huge, (t.data_ptr() + n) // huge * huge
+            if end > start: libc.madvise(start, end - start, 14)          # MADV_HUGEPAGE; a refusal is harmless
+        except (OSError, AttributeError): pass
+    return t.zero_()

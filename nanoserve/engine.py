@@ -15,6 +15,7 @@ from .pages import PageAllocator, PageTable
 from .scheduler import Scheduler
 from .model import CPU_OPS, TORCH_OPS, TRITON_OPS, load_model, resolve_model_path
 from .metadata import GraphRunner, build_metadata, make_attention_backend
+from .cpu_kernels import zeros_huge
 from .sampling import Sampler, SamplingBatch
 
 # %% auto #0
@@ -65,8 +66,11 @@ class Worker:
         self.allocator = PageAllocator(self.num_pages, config.page_size)
         self.table = PageTable(config.max_running_requests, self.max_model_len, self.allocator, self.device)
         shape = (mc.num_layers, self.allocator.num_slots, local_kv_heads(mc, tp_size), mc.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == 'cpu':   # huge pages: the attention kernel jumps from page to page of the pool
+            self.k_cache, self.v_cache = zeros_huge(shape, self.dtype), zeros_huge(shape, self.dtype)
+        else:
+            self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.backend = make_attention_backend(config.attention_backend, self.k_cache, self.v_cache, mc.head_dim ** -0.5)
         # the Triton backend brings the Triton norm/rope/act too; on a CPU, chapter 06a's C ops
         self.model.use_ops(TRITON_OPS if self.backend.name == 'triton' else CPU_OPS if self.device.type == 'cpu' else TORCH_OPS)
