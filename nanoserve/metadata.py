@@ -91,7 +91,7 @@ class AttentionBackend:
 class TorchAttentionBackend(AttentionBackend):
     "Stores K/V into the paged pool and attends through the page table: with the C kernel on a CPU, else with plain torch ops."
     name = 'torch'
-    kernel_extend_max: int | None = None   # with the C kernel, extends over a cached prefix up to this long use it (None: all)
+    kernel_extend_max: int | None = 2048   # with the C kernel, prefill requests of up to this many new tokens use it (None: all)
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, use_cpu_kernel: bool | None = None):
         super().__init__(k_cache, v_cache, scale)
@@ -138,7 +138,7 @@ class TorchAttentionBackend(AttentionBackend):
                 self._tiles.append((idx, pages, mask))
 
     def _prepare_kernel(self, meta: ForwardMeta):
-        "For the C kernel: decode rows in blocks by shared leading pages; a prefill picks its tokens that attend over a cached prefix."
+        "For the C kernel: decode rows in blocks by shared leading pages; a prefill picks the requests it takes, and their tokens."
         self._kernel_rows = None
         if meta.phase == 'decode':
             lens = meta.host_seq_lens if meta.host_seq_lens is not None else meta.seq_lens.tolist()
@@ -146,7 +146,7 @@ class TorchAttentionBackend(AttentionBackend):
             return
         prefix, extend = meta.prefix_lens.tolist(), meta.extend_lens.tolist()
         limit = self.kernel_extend_max
-        pick = [i for i, (p, n) in enumerate(zip(prefix, extend)) if p > 0 and (limit is None or n <= limit)]
+        pick = [i for i, n in enumerate(extend) if limit is None or n <= limit]
         if not pick: return
         starts = (meta.last_indices - meta.extend_lens + 1).tolist()
         tokens = torch.cat([torch.arange(starts[i], starts[i] + extend[i]) for i in pick])   # their tokens in the batch
