@@ -114,10 +114,13 @@ class TorchAttentionBackend(AttentionBackend):
     tile_bytes = 4 << 20   # on a CPU, decode attends a few requests at a time: their gathered K and V stay in cache
 
     def prepare(self, meta: ForwardMeta):
-        "Take the metadata of the batch about to run; decode works out its tiles (rows, page lists, masks) once for all layers."
+        "Take the metadata of the batch about to run and work out, once for all layers, how each part of it attends."
         self.meta, ps = meta, meta.page_size
-        if self.use_cpu_kernel: return self._prepare_kernel(meta)
-        if meta.phase != 'decode': return
+        if meta.phase != 'decode': return self._prepare_prefill(meta)
+        if self.use_cpu_kernel:                  # the C kernel: rows in blocks by shared leading pages
+            lens = meta.host_seq_lens if meta.host_seq_lens is not None else meta.seq_lens.tolist()
+            self._blocks = shared_prefix_blocks(meta.page_table, meta.table_idx.tolist(), lens, ps)
+            return
         lens, dev = meta.host_seq_lens, meta.table_idx.device
         groups = length_groups(lens, ps) if lens is not None else [(None, -(-meta.max_seq_len // ps))]
         per_row = 2 * ps * self.k_cache[0, 0].numel() * self.k_cache.element_size()   # K and V bytes of one page
@@ -137,22 +140,20 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = (torch.arange(n * ps, device=dev)[None, :] < seq[:, None].long())[:, None, None, :]
                 self._tiles.append((idx, pages, mask))
 
-    def _prepare_kernel(self, meta: ForwardMeta):
-        "For the C kernel: decode rows in blocks by shared leading pages; a prefill picks the requests it takes, and their tokens."
-        self._kernel_rows = None
-        if meta.phase == 'decode':
-            lens = meta.host_seq_lens if meta.host_seq_lens is not None else meta.seq_lens.tolist()
-            self._blocks = shared_prefix_blocks(meta.page_table, meta.table_idx.tolist(), lens, meta.page_size)
-            return
-        prefix, extend = meta.prefix_lens.tolist(), meta.extend_lens.tolist()
-        limit = self.kernel_extend_max
-        pick = [i for i, n in enumerate(extend) if limit is None or n <= limit]
-        if not pick: return
+    def _prepare_prefill(self, meta: ForwardMeta):
+        "A prefill: the requests the C kernel takes (their tokens, rows, lengths, blocks), and the host numbers of the others."
+        prefix, extend, rows = meta.prefix_lens.tolist(), meta.extend_lens.tolist(), meta.table_idx.tolist()
         starts = (meta.last_indices - meta.extend_lens + 1).tolist()
-        tokens = torch.cat([torch.arange(starts[i], starts[i] + extend[i]) for i in pick])   # their tokens in the batch
-        self._kernel_rows = (set(pick), tokens, torch.repeat_interleave(meta.table_idx[pick], meta.extend_lens[pick]),
-                             (meta.positions[tokens] + 1).int(),                       # each token sees up to itself
-                             extend_blocks([prefix[i] for i in pick], [extend[i] for i in pick]))
+        limit = self.kernel_extend_max
+        pick = [i for i, n in enumerate(extend) if self.use_cpu_kernel and (limit is None or n <= limit)]
+        self._kernel_rows = None
+        if pick:
+            tokens = torch.cat([torch.arange(starts[i], starts[i] + extend[i]) for i in pick])   # their tokens in the batch
+            self._kernel_rows = (tokens, torch.repeat_interleave(meta.table_idx[pick], meta.extend_lens[pick]),
+                                 (meta.positions[tokens] + 1).int(),                       # each token sees up to itself
+                                 extend_blocks([prefix[i] for i in pick], [extend[i] for i in pick]))
+        picked = set(pick)
+        self._torch_rows = [(rows[i], prefix[i], extend[i], starts[i]) for i in range(len(extend)) if i not in picked]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         "Store `k`, `v` `[T, KVH, D]` for `layer`, then attend with `q` `[T, H, D]`; returns `[T, H, D]`."
@@ -175,13 +176,10 @@ class TorchAttentionBackend(AttentionBackend):
                 else: out.index_copy_(0, idx, o)
             return out.reshape(T, H, D).to(q.dtype)
         out = torch.empty_like(q)
-        picked = set()
-        if self.use_cpu_kernel and self._kernel_rows is not None:   # short extends over a cached prefix: the C kernel
-            picked, tokens, rows, lens, blocks = self._kernel_rows
+        if self._kernel_rows is not None:                    # prefill requests the C kernel takes, all in one call
+            tokens, rows, lens, blocks = self._kernel_rows
             out[tokens] = paged_attention(q[tokens], kc, vc, m.page_table, rows, lens, self.scale, m.page_size, blocks)
-        starts = (m.last_indices - m.extend_lens + 1).tolist()
-        for i, (row, prefix, n, s) in enumerate(zip(m.table_idx.tolist(), m.prefix_lens.tolist(), m.extend_lens.tolist(), starts)):
-            if i in picked: continue
+        for row, prefix, n, s in self._torch_rows:
             if prefix == 0:                                   # nothing cached: plain causal attention over the new keys
                 qi, ki, vi = (t[s:s + n].to(kc.dtype).transpose(0, 1)[None] for t in (q, k, v))   # [1, heads, n, D]
                 o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
