@@ -14,8 +14,8 @@ from .kernels import rms_norm_ref, rope_ref, silu_and_mul_ref
 
 # %% auto #0
 __all__ = ['C_SOURCE', 'CPU_KERNELS_ENV', 'CFLAGS', 'log', 'MAX_BLOCK', 'Blocks', 'kernel_cache_dir', 'compile_library',
-           'cpu_kernels', 'supports', 'single_blocks', 'paged_attention', 'shared_prefix_blocks', 'extend_blocks',
-           'rms_norm_cpu', 'rope_cpu', 'silu_and_mul_cpu', 'zeros_huge']
+           'cpu_kernels', 'supports', 'single_blocks', 'PagedAttention', 'paged_attention', 'shared_prefix_blocks',
+           'extend_blocks', 'rms_norm_cpu', 'rope_cpu', 'silu_and_mul_cpu', 'zeros_huge']
 
 # %% ../nbs/06a_cpu_kernels.ipynb #07426327
 C_SOURCE = r'''
@@ -166,13 +166,17 @@ INLINE void attend_block(const float *q, int64_t q_stride, const float *k, const
 /* out[i] = attention of query row i (q + i * q_stride, [H, D]) over positions [0, lens[i]) of page-table row rows[i].
    The rows are taken in blocks: block b is rows order[starts[b] .. starts[b + 1]), at most 16, which share the slots of
    positions [0, shared[b]). k, v: one layer's pool [slots, KVH, D]; page_table: [num_rows, width] int32 slot ids;
-   scratch: `threads` rows of scratch_stride floats. Returns 0, or -1 for a length outside [1, width], -2 for a row
-   outside [0, num_rows), -3 for bad blocks (one empty or over 16 rows, a row in none or two, a shared part past a
-   row's length), -4 when out of memory. */
-int paged_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v, const int32_t *page_table,
+   scratch: `threads` rows of scratch_stride floats. With num_new > 0, the keys and values of num_new new tokens
+   (k_new, v_new: rows of KVH * D floats, k_new_stride and v_new_stride apart) are first written to the pool's slots
+   new_slots[i] (the step's KV store), so the rows can attend to them. Returns 0, or -1 for a length outside [1, width],
+   -2 for a row outside [0, num_rows), -3 for bad blocks (one empty or over 16 rows, a row in none or two, a shared
+   part past a row's length), -4 when out of memory, -5 for a new slot outside [0, num_slots). */
+int paged_attention_f32(const float *q, int64_t q_stride, float *k, float *v, const int32_t *page_table,
                         int64_t num_rows, int64_t width, const int32_t *rows, const int32_t *lens, float *out,
                         float *scratch, int64_t scratch_stride, int threads, int64_t N, int H, int KVH, int D, int ps,
-                        float scale, const int32_t *order, const int32_t *starts, const int32_t *shared, int64_t num_blocks) {
+                        float scale, const int32_t *order, const int32_t *starts, const int32_t *shared, int64_t num_blocks,
+                        const float *k_new, const float *v_new, int64_t k_new_stride, int64_t v_new_stride,
+                        const int64_t *new_slots, int64_t num_new, int64_t num_slots) {
     const int64_t ls_max = (width + 7) & ~7;
     if (H % KVH || (int64_t)MAX_BLOCK * (H / KVH) * ls_max > scratch_stride) return -3;
     for (int64_t i = 0; i < N; i++) {
@@ -190,6 +194,12 @@ int paged_attention_f32(const float *q, int64_t q_stride, const float *k, const 
     }
     free(seen);
     if (bad) return -3;
+    for (int64_t i = 0; i < num_new; i++) if (new_slots[i] < 0 || new_slots[i] >= num_slots) return -5;
+    const int64_t row = (int64_t)KVH * D;
+    for (int64_t i = 0; i < num_new; i++) {            /* the store: a few rows in a decode step, so no threads */
+        memcpy(k + new_slots[i] * row, k_new + i * k_new_stride, sizeof(float) * row);
+        memcpy(v + new_slots[i] * row, v_new + i * v_new_stride, sizeof(float) * row);
+    }
     const int G = H / KVH;
     #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t w = 0; w < num_blocks * KVH; w++) {     /* a work item: one block, one KV head */
@@ -303,7 +313,8 @@ def compile_library(source: str = C_SOURCE, cc: str | None = None, flags: list[s
 def _bind(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    lib.paged_attention_f32.argtypes = [P, L, P, P, P, L, L, P, P, P, P, L, I, L, I, I, I, I, ctypes.c_float, P, P, P, L]
+    lib.paged_attention_f32.argtypes = [P, L, P, P, P, L, L, P, P, P, P, L, I, L, I, I, I, I, ctypes.c_float, P, P, P, L,
+                                         P, P, L, L, P, L, L]
     lib.paged_attention_f32.restype = I
     lib.rms_norm_f32.argtypes = [P, L, P, L, P, P, P, L, I, ctypes.c_float, I]
     lib.rope_f32.argtypes = [P, L, I, P, L, I, L, I, P, P, L, I]
@@ -335,6 +346,80 @@ def single_blocks(n: int) -> Blocks:
     "Every query row a block of its own, sharing nothing."
     return torch.arange(n, dtype=torch.int32), torch.arange(n + 1, dtype=torch.int32), torch.zeros(n, dtype=torch.int32)
 
+def _int32_vector(name: str, t: torch.Tensor, n: int | None = None):
+    if t.dtype != torch.int32 or t.dim() != 1 or (n is not None and t.shape[0] != n) or not t.is_contiguous() or t.device.type != 'cpu':
+        raise ValueError(f'paged_attention: {name} must be a contiguous int32 CPU tensor' + (f' of shape ({n},)' if n is not None else ''))
+
+class PagedAttention:
+    "The C kernel's attention for one batch: the page table, rows, lengths and blocks are checked once, then `run` once per layer."
+    def __init__(self,
+                 page_table: torch.Tensor,  # [num_rows, width] int32, contiguous: the slot of each position
+                 rows: torch.Tensor,        # [N] int32: each query row's page-table row
+                 lens: torch.Tensor,        # [N] int32: how many positions, from 0, each query row sees
+                 page_size: int,            # positions [j * page_size, (j + 1) * page_size) of a row are consecutive slots
+                 blocks: Blocks | None = None):   # query rows that share leading positions (default: none share)
+        self.lib = cpu_kernels()
+        if self.lib is None: raise RuntimeError(f'paged_attention: the CPU kernels are not available (see the log, or {CPU_KERNELS_ENV})')
+        self.n = N = rows.shape[0] if rows.dim() == 1 else -1
+        order, starts, shared = single_blocks(max(N, 0)) if blocks is None else blocks
+        for name, t, n in (('rows', rows, None), ('lens', lens, N), ('order', order, N), ('starts', starts, None), ('shared', shared, None)):
+            _int32_vector(name, t, n)
+        if starts.shape[0] != shared.shape[0] + 1: raise ValueError('paged_attention: blocks need one more start than shared lengths')
+        if page_table.dtype != torch.int32 or page_table.dim() != 2 or not page_table.is_contiguous() or page_table.device.type != 'cpu':
+            raise ValueError('paged_attention: page_table must be a contiguous int32 [rows, width] CPU tensor')
+        if page_size < 1: raise ValueError(f'paged_attention: page_size must be >= 1, got {page_size}')
+        self.page_table, self.rows, self.lens, self.page_size = page_table, rows, lens, page_size
+        self.order, self.starts, self.shared = order, starts, shared
+        self.threads, self.width = torch.get_num_threads(), page_table.shape[1]
+        self._scratch: torch.Tensor | None = None        # kept for every layer of the batch
+
+    def run(self,
+            q: torch.Tensor,                   # [N, H, D] fp32: one query row each (a row-strided view is fine)
+            k_pool: torch.Tensor,              # [num_slots, KVH, D] fp32, contiguous: one layer's keys
+            v_pool: torch.Tensor,              # same: its values
+            scale: float,                      # softmax scale
+            out: torch.Tensor | None = None,   # [N, H, D] contiguous fp32 to write into (default: a new tensor)
+            k_new: torch.Tensor | None = None, # [M, KVH, D]: keys of new tokens, stored at `new_slots` before attending
+            v_new: torch.Tensor | None = None, # [M, KVH, D]: their values
+            new_slots: torch.Tensor | None = None) -> torch.Tensor:   # [M] int64 contiguous CPU: their slots
+        "Attention of each query row over its first `lens[i]` positions, read in place from the paged pool (after storing the new keys and values, if given); returns `[N, H, D]`."
+        if not supports(q, k_pool): raise ValueError(f'paged_attention: needs fp32 CPU tensors q [N, H, D] and pools [slots, KVH, D] with D % 8 == 0 '
+                                                     f'and H % KVH == 0; got q {tuple(q.shape)} {q.dtype}, k_pool {tuple(k_pool.shape)} {k_pool.dtype}')
+        if v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+            raise ValueError('paged_attention: k_pool and v_pool must be contiguous tensors of one shape and dtype')
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]: raise ValueError('paged_attention: each query row must be [H, D] contiguous')
+        N, H, D = q.shape
+        if N != self.n: raise ValueError(f'paged_attention: {N} query rows for {self.n} rows and lengths')
+        if out is None: out = torch.empty(N, H, D)
+        elif out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous() or out.device.type != 'cpu':
+            raise ValueError(f'paged_attention: out must be a contiguous fp32 CPU tensor of shape {tuple(q.shape)}')
+        m, new = 0, (None, None, 0, 0, None)
+        if k_new is not None or v_new is not None or new_slots is not None:
+            m = new_slots.shape[0] if new_slots is not None else -1
+            for t in (k_new, v_new):
+                if t is None or t.dtype != torch.float32 or t.device.type != 'cpu' or t.shape != (m, *k_pool.shape[1:]) or (m and (t.stride(2) != 1 or t.stride(1) != D)):
+                    raise ValueError(f'paged_attention: k_new and v_new must be fp32 CPU tensors [{m}, {k_pool.shape[1]}, {D}], each row contiguous')
+            if new_slots.dtype != torch.int64 or new_slots.dim() != 1 or not new_slots.is_contiguous() or new_slots.device.type != 'cpu':
+                raise ValueError('paged_attention: new_slots must be a contiguous int64 CPU tensor')
+            new = (k_new.data_ptr(), v_new.data_ptr(), k_new.stride(0), v_new.stride(0), new_slots.data_ptr())
+        if N == 0 and m == 0: return out
+        G = H // k_pool.shape[1]
+        need = MAX_BLOCK * G * (-(-self.width // 8) * 8)
+        if self._scratch is None or self._scratch.shape[1] < need: self._scratch = torch.empty(self.threads, need)
+        scratch = self._scratch
+        err = self.lib.paged_attention_f32(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), self.page_table.data_ptr(),
+                                           self.page_table.shape[0], self.width, self.rows.data_ptr(), self.lens.data_ptr(), out.data_ptr(),
+                                           scratch.data_ptr(), scratch.stride(0), self.threads, N, H, k_pool.shape[1], D, self.page_size,
+                                           scale, self.order.data_ptr(), self.starts.data_ptr(), self.shared.data_ptr(),
+                                           self.shared.shape[0], *new, m, k_pool.shape[0])
+        if err == -1: raise ValueError(f'paged_attention: every length must be in [1, {self.width}] (the page-table width); got {self.lens.tolist()}')
+        if err == -2: raise ValueError(f'paged_attention: every row must be in [0, {self.page_table.shape[0]}); got {self.rows.tolist()}')
+        if err == -3: raise ValueError(f'paged_attention: bad blocks: each must hold 1 to {MAX_BLOCK} of the {N} query rows, once each, '
+                                       f'and share no more positions than its shortest row sees')
+        if err == -5: raise ValueError(f'paged_attention: every new slot must be in [0, {k_pool.shape[0]}) (the pool); got {new_slots.tolist()}')
+        if err: raise MemoryError('paged_attention: out of memory')
+        return out
+
 def paged_attention(q: torch.Tensor,           # [N, H, D] fp32: one query row each (a row-strided view is fine)
                     k_pool: torch.Tensor,      # [num_slots, KVH, D] fp32, contiguous: one layer's keys
                     v_pool: torch.Tensor,      # same: its values
@@ -344,38 +429,9 @@ def paged_attention(q: torch.Tensor,           # [N, H, D] fp32: one query row e
                     scale: float,              # softmax scale
                     page_size: int,            # positions [j * page_size, (j + 1) * page_size) of a row are consecutive slots
                     blocks: Blocks | None = None,   # query rows that share leading positions (default: none share)
-                    out: torch.Tensor | None = None) -> torch.Tensor:
-    "Attention of each query row over its first `lens[i]` positions, read in place from the paged pool; returns `[N, H, D]`."
-    lib = cpu_kernels()
-    if lib is None: raise RuntimeError(f'paged_attention: the CPU kernels are not available (see the log, or {CPU_KERNELS_ENV})')
-    if not supports(q, k_pool): raise ValueError(f'paged_attention: needs fp32 CPU tensors q [N, H, D] and pools [slots, KVH, D] with D % 8 == 0 '
-                                                 f'and H % KVH == 0; got q {tuple(q.shape)} {q.dtype}, k_pool {tuple(k_pool.shape)} {k_pool.dtype}')
-    if v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype or not (k_pool.is_contiguous() and v_pool.is_contiguous()):
-        raise ValueError('paged_attention: k_pool and v_pool must be contiguous tensors of one shape and dtype')
-    if q.stride(2) != 1 or q.stride(1) != q.shape[2]: raise ValueError('paged_attention: each query row must be [H, D] contiguous')
-    N, H, D = q.shape
-    order, starts, shared = single_blocks(N) if blocks is None else blocks
-    for name, t, n in (('rows', rows, N), ('lens', lens, N), ('order', order, N), ('starts', starts, None), ('shared', shared, None)):
-        if t.dtype != torch.int32 or t.dim() != 1 or (n is not None and t.shape[0] != n) or not t.is_contiguous() or t.device.type != 'cpu':
-            raise ValueError(f'paged_attention: {name} must be a contiguous int32 CPU tensor' + (f' of shape ({n},)' if n is not None else ''))
-    if starts.shape[0] != shared.shape[0] + 1: raise ValueError('paged_attention: blocks need one more start than shared lengths')
-    if page_table.dtype != torch.int32 or page_table.dim() != 2 or not page_table.is_contiguous() or page_table.device.type != 'cpu':
-        raise ValueError('paged_attention: page_table must be a contiguous int32 [rows, width] CPU tensor')
-    if page_size < 1: raise ValueError(f'paged_attention: page_size must be >= 1, got {page_size}')
-    out = torch.empty(N, H, D) if out is None else out
-    if N == 0: return out
-    threads, width, G = torch.get_num_threads(), page_table.shape[1], H // k_pool.shape[1]
-    scratch = torch.empty(threads, MAX_BLOCK * G * (-(-width // 8) * 8))
-    err = lib.paged_attention_f32(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), page_table.data_ptr(),
-                                  page_table.shape[0], width, rows.data_ptr(), lens.data_ptr(), out.data_ptr(),
-                                  scratch.data_ptr(), scratch.stride(0), threads, N, H, k_pool.shape[1], D, page_size, scale,
-                                  order.data_ptr(), starts.data_ptr(), shared.data_ptr(), shared.shape[0])
-    if err == -1: raise ValueError(f'paged_attention: every length must be in [1, {width}] (the page-table width); got {lens.tolist()}')
-    if err == -2: raise ValueError(f'paged_attention: every row must be in [0, {page_table.shape[0]}); got {rows.tolist()}')
-    if err == -3: raise ValueError(f'paged_attention: bad blocks: each must hold 1 to {MAX_BLOCK} of the {N} query rows, once each, '
-                                   f'and share no more positions than its shortest row sees')
-    if err: raise MemoryError('paged_attention: out of memory')
-    return out
+                    out: torch.Tensor | None = None, **new) -> torch.Tensor:
+    "Attention of each query row over its first `lens[i]` positions, read in place from the paged pool; returns `[N, H, D]` (one `PagedAttention` run; `new`: its `k_new`, `v_new`, `new_slots`)."
+    return PagedAttention(page_table, rows, lens, page_size, blocks).run(q, k_pool, v_pool, scale, out, **new)
 
 def shared_prefix_blocks(page_table: torch.Tensor, rows: list[int], lens: list[int], page_size: int) -> Blocks:
     "Decode blocks: query rows whose page-table rows start with the same pages (a prefix shared in the radix cache), up to 16 a block."
@@ -404,7 +460,7 @@ def extend_blocks(prefix_lens: list[int], extend_lens: list[int]) -> Blocks:
             at += min(MAX_BLOCK, n - c); starts.append(at); shared.append(p)
     return torch.arange(at, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), torch.tensor(shared, dtype=torch.int32)
 
-# %% ../nbs/06a_cpu_kernels.ipynb #04ef9e35
+# %% ../nbs/06a_cpu_kernels.ipynb #b6c5cbb0
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
     "`x` as a 2-D view `[rows, last]` with unit column stride, or None if it is not one."
     v = x if x.dim() == 2 else x.reshape(-1, x.shape[-1]) if x.dim() > 2 and x.is_contiguous() else None
@@ -449,7 +505,7 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     lib.silu_and_mul_f32(x2.data_ptr(), x2.stride(0), out.data_ptr(), x2.shape[0], I, torch.get_num_threads())
     return out
 
-# %% ../nbs/06a_cpu_kernels.ipynb #853ed435
+# %% ../nbs/06a_cpu_kernels.ipynb #43076b1e
 def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     "A zeroed CPU tensor whose memory Linux is asked to back with transparent huge pages (before it is first touched)."
     t = torch.empty(shape, dtype=dtype)

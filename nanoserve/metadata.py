@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from .req import Batch
 from .pages import PageTable
 from .kernels import INTERPRET, decode_attention, decode_num_splits, extend_attention, store_kv
-from .cpu_kernels import cpu_kernels, extend_blocks, paged_attention, shared_prefix_blocks
+from .cpu_kernels import PagedAttention, cpu_kernels, extend_blocks, shared_prefix_blocks
 
 # %% auto #0
 __all__ = ['ATTENTION_BACKENDS', 'ForwardMeta', 'build_metadata', 'length_groups', 'AttentionBackend', 'TorchAttentionBackend',
@@ -119,7 +119,8 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.phase != 'decode': return self._prepare_prefill(meta)
         if self.use_cpu_kernel:                  # the C kernel: rows in blocks by shared leading pages
             lens = meta.host_seq_lens if meta.host_seq_lens is not None else meta.seq_lens.tolist()
-            self._blocks = shared_prefix_blocks(meta.page_table, meta.table_idx.tolist(), lens, ps)
+            blocks = shared_prefix_blocks(meta.page_table, meta.table_idx.tolist(), lens, ps)
+            self._plan = PagedAttention(meta.page_table, meta.table_idx, meta.seq_lens, ps, blocks)   # checked once, run per layer
             return
         lens, dev = meta.host_seq_lens, meta.table_idx.device
         groups = length_groups(lens, ps) if lens is not None else [(None, -(-meta.max_seq_len // ps))]
@@ -149,20 +150,20 @@ class TorchAttentionBackend(AttentionBackend):
         self._kernel_rows = None
         if pick:
             tokens = torch.cat([torch.arange(starts[i], starts[i] + extend[i]) for i in pick])   # their tokens in the batch
-            self._kernel_rows = (tokens, torch.repeat_interleave(meta.table_idx[pick], meta.extend_lens[pick]),
-                                 (meta.positions[tokens] + 1).int(),                       # each token sees up to itself
-                                 extend_blocks([prefix[i] for i in pick], [extend[i] for i in pick]))
+            self._kernel_rows = (tokens, PagedAttention(meta.page_table, torch.repeat_interleave(meta.table_idx[pick], meta.extend_lens[pick]),
+                                                        (meta.positions[tokens] + 1).int(),                   # each token sees up to itself
+                                                        meta.page_size, extend_blocks([prefix[i] for i in pick], [extend[i] for i in pick])))
         picked = set(pick)
         self._torch_rows = [(rows[i], prefix[i], extend[i], starts[i]) for i in range(len(extend)) if i not in picked]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         "Store `k`, `v` `[T, KVH, D]` for `layer`, then attend with `q` `[T, H, D]`; returns `[T, H, D]`."
         m, kc, vc = self.meta, self.k_cache[layer], self.v_cache[layer]
+        if self.use_cpu_kernel and m.phase == 'decode':      # store the new K/V, then read each request's pages in place
+            return self._plan.run(q, kc, vc, self.scale, k_new=k.to(kc.dtype), v_new=v.to(vc.dtype), new_slots=m.out_loc)
         kc[m.out_loc] = k.to(kc.dtype); vc[m.out_loc] = v.to(vc.dtype)
         T, H, D = q.shape
         kvh = k.shape[1]; g = H // kvh
-        if self.use_cpu_kernel and m.phase == 'decode':      # each request's pages read in place
-            return paged_attention(q, kc, vc, m.page_table, m.table_idx, m.seq_lens, self.scale, m.page_size, self._blocks)
         if m.phase == 'decode':
             kp, vp = kc.view(-1, m.page_size * kvh * D), vc.view(-1, m.page_size * kvh * D)   # one row per page
             q4 = q.view(T, kvh, g, D).to(kc.dtype)
@@ -177,8 +178,8 @@ class TorchAttentionBackend(AttentionBackend):
             return out.reshape(T, H, D).to(q.dtype)
         out = torch.empty_like(q)
         if self._kernel_rows is not None:                    # prefill requests the C kernel takes, all in one call
-            tokens, rows, lens, blocks = self._kernel_rows
-            out[tokens] = paged_attention(q[tokens], kc, vc, m.page_table, rows, lens, self.scale, m.page_size, blocks)
+            tokens, plan = self._kernel_rows
+            out[tokens] = plan.run(q[tokens], kc, vc, self.scale)
         for row, prefix, n, s in self._torch_rows:
             if prefix == 0:                                   # nothing cached: plain causal attention over the new keys
                 qi, ki, vi = (t[s:s + n].to(kc.dtype).transpose(0, 1)[None] for t in (q, k, v))   # [1, heads, n, D]
