@@ -19,12 +19,12 @@ from .kernels import rms_norm, rms_norm_ref, rope, rope_cos_sin_cache, rope_ref,
 from .cpu_kernels import rms_norm_cpu, rope_cpu, silu_and_mul_cpu
 
 # %% auto #0
-__all__ = ['TORCH_OPS', 'TRITON_OPS', 'CPU_OPS', 'ONEDNN_MAX_ROWS', 'AttentionFn', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'Ops',
-           'default_weight_loader', 'onednn_rows', 'linear', 'pack_cpu_weights', 'unpack_cpu_weights',
-           'warm_up_linears', 'ColumnParallelLinear', 'MergedColumnParallelLinear', 'QKVParallelLinear',
-           'RowParallelLinear', 'VocabParallelEmbedding', 'ParallelLMHead', 'RMSNorm', 'RotaryEmbedding', 'Attention',
-           'MLP', 'DecoderLayer', 'DecoderModel', 'DecoderForCausalLM', 'build_model', 'checkpoint_files',
-           'load_weights', 'resolve_model_path', 'load_model']
+__all__ = ['TORCH_OPS', 'TRITON_OPS', 'CPU_OPS', 'ONEDNN_MAX_ROWS', 'ONEDNN_SLICE_ROWS', 'AttentionFn', 'STACKED_PARAMS',
+           'HUB_ALLOW_PATTERNS', 'Ops', 'default_weight_loader', 'onednn_rows', 'linear', 'pack_cpu_weights',
+           'unpack_cpu_weights', 'warm_up_linears', 'ColumnParallelLinear', 'MergedColumnParallelLinear',
+           'QKVParallelLinear', 'RowParallelLinear', 'VocabParallelEmbedding', 'ParallelLMHead', 'RMSNorm',
+           'RotaryEmbedding', 'Attention', 'MLP', 'DecoderLayer', 'DecoderModel', 'DecoderForCausalLM', 'build_model',
+           'checkpoint_files', 'load_weights', 'resolve_model_path', 'load_model']
 
 # %% ../nbs/07_model.ipynb #e707e8a4
 class Ops(NamedTuple):
@@ -67,26 +67,36 @@ _ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkld
 
 _ONEDNN_PACK = _ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, '_reorder_linear_weight')
 
-ONEDNN_MAX_ROWS = 256   # oneDNN takes decode-sized products; larger ones go to MKL
+ONEDNN_MAX_ROWS = 256      # oneDNN takes decode-sized products, padded into row classes ...
+ONEDNN_SLICE_ROWS = 1024   # ... and prefill-sized ones in slices of exactly this many rows; what is left goes to MKL
 
 def onednn_rows(m: int) -> int:
     "The row count `linear` pads `m` rows to for oneDNN: exact up to 16, a multiple of 4 up to 64, of 16 above."
     return m if m <= 16 else -(-m // 4) * 4 if m <= 64 else -(-m // 16) * 16
 
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    w = getattr(weight, 'onednn_packed', None)
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight if w is None else w, bias, 'none', [], '')
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    "`F.linear`; in fp32 on a CPU, up to 256 rows, through oneDNN (with the weight's packed copy, if `pack_cpu_weights` made one)."
+    "`F.linear`; in fp32 on a CPU through oneDNN (with the weight's packed copy, if `pack_cpu_weights` made one): up to 256 rows padded into row classes, 1024 rows or more in 1024-row slices."
     # NOTE: the same products summed in another order: equal to F.linear to fp32 rounding, not bit for bit.
     # oneDNN keeps a compiled kernel, and memory, for every row count it meets: padding the rows into 40 classes
-    # (`onednn_rows`) bounds that per weight (an unpadded server grew by hundreds of MB); larger products go to MKL.
+    # (`onednn_rows`) and slicing long inputs into one class bounds that per weight (an unpadded server grew by
+    # hundreds of MB); the rest (257-1023 rows, and a long input's last partial slice) goes to MKL.
     m = x.shape[0] if x.dim() == 2 else 0
-    if (_ONEDNN_LINEAR and x.device.type == 'cpu' and x.dtype == weight.dtype == torch.float32 and 0 < m <= ONEDNN_MAX_ROWS
-            and not (x.requires_grad or weight.requires_grad)):
-        w = getattr(weight, 'onednn_packed', None)
+    if (not _ONEDNN_LINEAR or m == 0 or x.device.type != 'cpu' or not x.dtype == weight.dtype == torch.float32
+            or x.requires_grad or weight.requires_grad or ONEDNN_MAX_ROWS < m < ONEDNN_SLICE_ROWS):
+        return F.linear(x, weight, bias)
+    if m <= ONEDNN_MAX_ROWS:
         pad = onednn_rows(m) - m
-        x = F.pad(x, (0, 0, 0, pad)) if pad else x.contiguous()
-        y = torch.ops.mkldnn._linear_pointwise(x, weight if w is None else w, bias, 'none', [], '')
+        y = _onednn(F.pad(x, (0, 0, 0, pad)) if pad else x, weight, bias)
         return y[:m] if pad else y
-    return F.linear(x, weight, bias)
+    S = ONEDNN_SLICE_ROWS
+    out = torch.empty(m, weight.shape[0], dtype=x.dtype)
+    for i in range(0, m - S + 1, S): out[i:i + S] = _onednn(x[i:i + S], weight, bias)
+    if m % S: out[m - m % S:] = linear(x[m - m % S:], weight, bias)
+    return out
 
 def pack_cpu_weights(model: nn.Module, batch_hint: int = 64) -> int:
     "Give each fp32 CPU linear weight of `model` a copy in oneDNN's blocked layout, tuned for `batch_hint` rows; returns how many."
@@ -104,7 +114,7 @@ def unpack_cpu_weights(model: nn.Module):
     for p in model.parameters(): p.__dict__.pop('onednn_packed', None)
 
 def warm_up_linears(model: nn.Module) -> int:
-    "Multiply once by each fp32 CPU linear weight shape of `model` (with or without its bias) at every oneDNN row class; returns how many."
+    "Multiply once by each fp32 CPU linear weight shape of `model` (with or without its bias) at every oneDNN row class, and the layers' at the prefill slice; returns how many."
     # NOTE: oneDNN builds a kernel, and keeps memory, per (weight shape, bias, row count): met here, at load, a server's
     # memory is what it will stay at, instead of growing each time a new batch size shows up.
     if not _ONEDNN_LINEAR: return 0
@@ -113,10 +123,12 @@ def warm_up_linears(model: nn.Module) -> int:
         w = getattr(m, 'weight', None)
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and w.device.type == 'cpu' and w.dtype == torch.float32:
             b = m.bias if isinstance(m, ColumnParallelLinear) else None        # as each forward calls `linear`
-            kinds.setdefault((tuple(w.shape), b is not None), (w, b))
+            key, head = (tuple(w.shape), b is not None), isinstance(m, ParallelLMHead)
+            kinds[key] = (w, b, head and kinds.get(key, (0, 0, True))[2])           # a head only if no layer shares its shape
     with torch.inference_mode():
-        for w, b in kinds.values():
+        for w, b, head in kinds.values():
             for rows in sorted({onednn_rows(m) for m in range(1, ONEDNN_MAX_ROWS + 1)}): linear(w.new_zeros(rows, w.shape[1]), w, b)
+            if not head: linear(w.new_zeros(ONEDNN_SLICE_ROWS, w.shape[1]), w, b)   # a prefill slice: the LM head sees sampled rows only
     return len(kinds)
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:

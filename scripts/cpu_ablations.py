@@ -7,6 +7,11 @@ by step so that the machine's noise hits them alike. Prints the median step time
 everything on:
 
     python scripts/cpu_ablations.py [BATCH]      # default 32
+
+and, for prefill, one step of 64 prompts of 128 tokens (8192 tokens) with the long linears through oneDNN in
+1024-row slices or through MKL, alternated:
+
+    python scripts/cpu_ablations.py prefill [ROUNDS]   # default 3
 """
 import random, statistics, sys, time
 import nanoserve.model as M
@@ -50,4 +55,21 @@ def main(batch: int = 32, rounds: int = 6):
         t = statistics.median(times[name])
         print(f'{name:40s} {1e3 * t:7.1f} ms  x{t / base:.2f}')
 
-if __name__ == '__main__': main(*map(int, sys.argv[1:]))
+def prefill(rounds: int = 3):
+    engine = make_engine(EngineConfig(model=str(smollm2_path()), enable_overlap=False, enable_prefix_caching=False))
+    rng, sp, slice_rows = random.Random(0), SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), M.ONEDNN_SLICE_ROWS
+    times = {'oneDNN 1024-row slices': [], 'MKL': []}
+    for r in range(rounds):
+        for name in times:
+            M.ONEDNN_SLICE_ROWS = 1 << 62 if name == 'MKL' else slice_rows
+            for i in range(64): engine.add_request(f'{r}-{name}-{i}', [rng.randrange(100, 10000) for _ in range(128)], sp)
+            start = time.perf_counter(); engine.step(); times[name].append(time.perf_counter() - start)
+            while engine.has_unfinished: engine.step()
+    M.ONEDNN_SLICE_ROWS = slice_rows
+    base = statistics.median(times['oneDNN 1024-row slices'])
+    print(f'prefill of 64 x 128 tokens in one step; median s per step over {rounds} steps each, variants interleaved')
+    for name, ts in times.items(): print(f'{name:40s} {statistics.median(ts):7.2f} s  x{statistics.median(ts) / base:.2f}')
+
+if __name__ == '__main__':
+    if sys.argv[1:2] == ['prefill']: prefill(*map(int, sys.argv[2:]))
+    else: main(*map(int, sys.argv[1:]))
