@@ -61,10 +61,21 @@ INLINE void sum4(v8 c0, v8 c1, v8 c2, v8 c3, float *out) {
     out[0] = b[0] + b[4]; out[1] = b[1] + b[5]; out[2] = b[2] + b[6]; out[3] = b[3] + b[7];
 }
 
-/* s[g][i] = scale * q[g] . key i, for HB query heads (stride D) and the n keys at kp (stride row); s has stride ls */
-INLINE void scores(const float *q, const float *kp, int n, float *s, int ls, float scale, const int HB, const int D, int row) {
+#define AHEAD 4   /* keys prefetched ahead: the memory of a few keys in flight while the current ones are multiplied */
+
+/* Prefetch key (or value) idx of a run of n at kp (stride row), continuing into the next run at next (or nothing) */
+INLINE void prefetch_key(const float *kp, int idx, int n, const float *next, const int D, int row) {
+    const float *p = idx < n ? kp + idx * row : next ? next + (idx - n) * row : 0;
+    if (p) for (int c = 0; c < D; c += 16) __builtin_prefetch(p + c, 0, 3);
+}
+
+/* s[g][i] = scale * q[g] . key i, for HB query heads (stride D) and the n keys at kp (stride row); s has stride ls.
+   next: the first key of the run that follows (its keys are prefetched as this run ends), or NULL */
+INLINE void scores(const float *q, const float *kp, int n, const float *next, float *s, int ls, float scale, const int HB,
+                   const int D, int row) {
     int i = 0;
     for (; i + 4 <= n; i += 4) {                 /* four keys at a time: each key vector loaded once for HB heads */
+        for (int u = 0; u < 4; u++) prefetch_key(kp, i + AHEAD + u, n, next, D, row);
         v8 c[3][4] = {{{0}}};
         for (int j = 0; j < D; j += 8) {
             const float *k = kp + i * row + j;
@@ -88,12 +99,14 @@ INLINE void scores(const float *q, const float *kp, int n, float *s, int ls, flo
         }
 }
 
-/* o[g] += sum_i p[g][i] * value i, for HB heads (o stride D, p stride ls) and the n values at vp (stride row) */
-INLINE void values(const float *p, const float *vp, int n, float *o, int ls, const int HB, const int D, int row) {
+/* o[g] += sum_i p[g][i] * value i, for HB heads (o stride D, p stride ls) and the n values at vp (stride row); next as
+   for scores */
+INLINE void values(const float *p, const float *vp, int n, const float *next, float *o, int ls, const int HB, const int D, int row) {
     for (int j = 0; j < D; j += 32) {            /* 32 columns of HB heads in registers */
         v8 a[3][4] = {{{0}}};
         for (int g = 0; g < HB; g++) for (int u = 0; u < 4; u++) if (j + 8 * u < D) a[g][u] = LD(o + g * D + j + 8 * u);
         for (int i = 0; i < n; i++) {
+            if (j == 0) prefetch_key(vp, i + AHEAD, n, next, D, row);
             const float *v = vp + i * row + j;
             for (int g = 0; g < HB; g++) {
                 const float pg = p[g * ls + i];
@@ -122,6 +135,10 @@ INLINE void softmax(float *s, int len, int ls, int G) {
 #define BY_HB(hb, call, ...) do { if ((hb) == 3) call(__VA_ARGS__, 3, D, row); else if ((hb) == 2) call(__VA_ARGS__, 2, D, row); \
                                   else call(__VA_ARGS__, 1, D, row); } while (0)
 
+/* The first slot of the run at position t of a row, if t < end: its page holds ps slots, so prefetching up to
+   2 * AHEAD keys into it stays in the pool when ps >= 2 * AHEAD (smaller pages are not prefetched across) */
+#define NEXT_RUN(pool, prow_r, t, end) (ps >= 2 * AHEAD && (t) < (end) ? (pool) + (int64_t)(prow_r)[t] * row : 0)
+
 /* Positions [a, b) of a page-table row, a run of consecutive slots at a time: a run ends at a page boundary. */
 #define FOR_RUNS(slots, a, b, t, n) for (int t = (a), n; t < (b) && (n = ((ps - t % ps) < (b) - t ? ps - t % ps : (b) - t)) > 0; t += n)
 
@@ -133,31 +150,31 @@ INLINE void attend_block(const float *q, int64_t q_stride, const float *k, const
                          int ls, int G, int KVH, const int D, int ps, float scale) {
     const int row = KVH * D;
     FOR_RUNS(prow[0], 0, shared, t0, n) {                /* shared keys: one page in cache, every row of the block */
-        const float *kp = k + (int64_t)prow[0][t0] * row;
+        const float *kp = k + (int64_t)prow[0][t0] * row, *next = NEXT_RUN(k, prow[0], t0 + n, shared);
         for (int r = 0; r < R; r++)
             for (int g = 0; g < G; g += 3)
-                BY_HB(G - g < 3 ? G - g : 3, scores, q + order[r] * q_stride + g * D, kp, n, s + (r * G + g) * ls + t0, ls, scale);
+                BY_HB(G - g < 3 ? G - g : 3, scores, q + order[r] * q_stride + g * D, kp, n, next, s + (r * G + g) * ls + t0, ls, scale);
     }
     for (int r = 0; r < R; r++) {                        /* each row's own keys */
         FOR_RUNS(prow[r], shared, lens[r], t0, n) {
-            const float *kp = k + (int64_t)prow[r][t0] * row;
+            const float *kp = k + (int64_t)prow[r][t0] * row, *next = NEXT_RUN(k, prow[r], t0 + n, lens[r]);
             for (int g = 0; g < G; g += 3)
-                BY_HB(G - g < 3 ? G - g : 3, scores, q + order[r] * q_stride + g * D, kp, n, s + (r * G + g) * ls + t0, ls, scale);
+                BY_HB(G - g < 3 ? G - g : 3, scores, q + order[r] * q_stride + g * D, kp, n, next, s + (r * G + g) * ls + t0, ls, scale);
         }
         softmax(s + r * G * ls, lens[r], ls, G);
         memset(o + order[r] * o_stride, 0, sizeof(float) * G * D);
     }
     FOR_RUNS(prow[0], 0, shared, t0, n) {
-        const float *vp = v + (int64_t)prow[0][t0] * row;
+        const float *vp = v + (int64_t)prow[0][t0] * row, *next = NEXT_RUN(v, prow[0], t0 + n, shared);
         for (int r = 0; r < R; r++)
             for (int g = 0; g < G; g += 3)
-                BY_HB(G - g < 3 ? G - g : 3, values, s + (r * G + g) * ls + t0, vp, n, o + order[r] * o_stride + g * D, ls);
+                BY_HB(G - g < 3 ? G - g : 3, values, s + (r * G + g) * ls + t0, vp, n, next, o + order[r] * o_stride + g * D, ls);
     }
     for (int r = 0; r < R; r++)
         FOR_RUNS(prow[r], shared, lens[r], t0, n) {
-            const float *vp = v + (int64_t)prow[r][t0] * row;
+            const float *vp = v + (int64_t)prow[r][t0] * row, *next = NEXT_RUN(v, prow[r], t0 + n, lens[r]);
             for (int g = 0; g < G; g += 3)
-                BY_HB(G - g < 3 ? G - g : 3, values, s + (r * G + g) * ls + t0, vp, n, o + order[r] * o_stride + g * D, ls);
+                BY_HB(G - g < 3 ? G - g : 3, values, s + (r * G + g) * ls + t0, vp, n, next, o + order[r] * o_stride + g * D, ls);
         }
 }
 
