@@ -415,9 +415,11 @@ class PagedAttention:
             raise ValueError(f'paged_attention: out must be a contiguous fp32 CPU tensor of shape {tuple(q.shape)}')
         m, new = 0, (None, None, 0, 0, None)
         if k_new is not None or v_new is not None or new_slots is not None:
-            m = new_slots.shape[0] if new_slots is not None else -1
+            if k_new is None or v_new is None or new_slots is None:
+                raise ValueError('paged_attention: k_new, v_new and new_slots go together (the new tokens to store)')
+            m = new_slots.shape[0]
             for t in (k_new, v_new):
-                if t is None or t.dtype != torch.float32 or t.device.type != 'cpu' or t.shape != (m, *k_pool.shape[1:]) or (m and (t.stride(2) != 1 or t.stride(1) != D)):
+                if t.dtype != torch.float32 or t.device.type != 'cpu' or t.shape != (m, *k_pool.shape[1:]) or (m and (t.stride(2) != 1 or t.stride(1) != D)):
                     raise ValueError(f'paged_attention: k_new and v_new must be fp32 CPU tensors [{m}, {k_pool.shape[1]}, {D}], each row contiguous')
             if new_slots.dtype != torch.int64 or new_slots.dim() != 1 or not new_slots.is_contiguous() or new_slots.device.type != 'cpu':
                 raise ValueError('paged_attention: new_slots must be a contiguous int64 CPU tensor')
