@@ -13,7 +13,7 @@ from .config import EngineConfig
 from .req import SamplingParams
 from .pages import PageAllocator, PageTable
 from .scheduler import FakeRunner, Scheduler
-from .model import linear
+from .cpu_kernels import cpu_kernels, linear_cpu, pack_panels
 from .metadata import build_metadata
 from .sampling import SamplingBatch
 from .llm import make_engine
@@ -126,12 +126,16 @@ def load_transformers(path: str | Path, dtype: torch.dtype = torch.float32, devi
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
 
 def matmul_rate(n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.float32, device: str = 'cpu') -> float:
-    "This machine's matmul rate in FLOP/s: the best of `repeats` timed `n x n` products, through every path the model's `linear` may take (a ceiling, so the best)."
+    "This machine's matmul rate in FLOP/s: the best of `repeats` timed `n x n` products through MKL, oneDNN with a packed weight and the model's C product (a ceiling, so the best)."
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
-    best, fns = math.inf, [torch.mm, linear]     # on a CPU: MKL and oneDNN, and oneDNN with a packed weight
-    if device == 'cpu' and dtype == torch.float32 and hasattr(torch.ops.mkldnn, '_reorder_linear_weight'):
-        packed = torch.ops.mkldnn._reorder_linear_weight(b, 64)
-        fns.append(lambda a, b: torch.ops.mkldnn._linear_pointwise(a, packed, None, 'none', [], ''))
+    best, fns = math.inf, [torch.mm]     # on a CPU also oneDNN with a packed weight, and the C product the model's linears use
+    if device == 'cpu' and dtype == torch.float32:
+        if hasattr(torch.ops.mkldnn, '_reorder_linear_weight'):
+            packed = torch.ops.mkldnn._reorder_linear_weight(b, 64)
+            fns.append(lambda a, b: torch.ops.mkldnn._linear_pointwise(a, packed, None, 'none', [], ''))
+        if cpu_kernels() is not None:
+            panels = pack_panels(b)
+            fns.append(lambda a, b: linear_cpu(a, panels, n))
     for fn in fns:
         for _ in range(repeats + 1):    # the first is a warm-up
             _sync(torch.device(device)); start = time.perf_counter(); fn(a, b); _sync(torch.device(device))

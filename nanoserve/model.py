@@ -16,15 +16,14 @@ from torch import nn
 
 from .config import ModelConfig
 from .kernels import rms_norm, rms_norm_ref, rope, rope_cos_sin_cache, rope_ref, silu_and_mul, silu_and_mul_ref
-from .cpu_kernels import rms_norm_cpu, rope_cpu, silu_and_mul_cpu
+from .cpu_kernels import cpu_kernels, linear_cpu, pack_panels, rms_norm_cpu, rope_cpu, silu_and_mul_cpu
 
 # %% auto #0
-__all__ = ['TORCH_OPS', 'TRITON_OPS', 'CPU_OPS', 'ONEDNN_MAX_ROWS', 'ONEDNN_SLICE_ROWS', 'AttentionFn', 'STACKED_PARAMS',
-           'HUB_ALLOW_PATTERNS', 'Ops', 'default_weight_loader', 'onednn_rows', 'linear', 'pack_cpu_weights',
-           'unpack_cpu_weights', 'warm_up_linears', 'ColumnParallelLinear', 'MergedColumnParallelLinear',
-           'QKVParallelLinear', 'RowParallelLinear', 'VocabParallelEmbedding', 'ParallelLMHead', 'RMSNorm',
-           'RotaryEmbedding', 'Attention', 'MLP', 'DecoderLayer', 'DecoderModel', 'DecoderForCausalLM', 'build_model',
-           'checkpoint_files', 'load_weights', 'resolve_model_path', 'load_model']
+__all__ = ['TORCH_OPS', 'TRITON_OPS', 'CPU_OPS', 'AttentionFn', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'Ops',
+           'default_weight_loader', 'linear', 'pack_cpu_weights', 'unpack_cpu_weights', 'ColumnParallelLinear',
+           'MergedColumnParallelLinear', 'QKVParallelLinear', 'RowParallelLinear', 'VocabParallelEmbedding',
+           'ParallelLMHead', 'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP', 'DecoderLayer', 'DecoderModel',
+           'DecoderForCausalLM', 'build_model', 'checkpoint_files', 'load_weights', 'resolve_model_path', 'load_model']
 
 # %% ../nbs/07_model.ipynb #e707e8a4
 class Ops(NamedTuple):
@@ -63,73 +62,32 @@ def _parameter(*shape: int, loader: Callable | None = None) -> nn.Parameter:
     p.weight_loader = loader or default_weight_loader
     return p
 
-_ONEDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, '_linear_pointwise')
-
-_ONEDNN_PACK = _ONEDNN_LINEAR and hasattr(torch.ops.mkldnn, '_reorder_linear_weight')
-
-ONEDNN_MAX_ROWS = 256      # oneDNN takes decode-sized products, padded into row classes ...
-ONEDNN_SLICE_ROWS = 1024   # ... and prefill-sized ones in slices of exactly this many rows; what is left goes to MKL
-
-def onednn_rows(m: int) -> int:
-    "The row count `linear` pads `m` rows to for oneDNN: exact up to 16, a multiple of 4 up to 64, of 16 above."
-    return m if m <= 16 else -(-m // 4) * 4 if m <= 64 else -(-m // 16) * 16
-
-def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    w = getattr(weight, 'onednn_packed', None)
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight if w is None else w, bias, 'none', [], '')
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    "`F.linear`; in fp32 on a CPU through oneDNN (with the weight's packed copy, if `pack_cpu_weights` made one): up to 256 rows padded into row classes, 1024 rows or more in 1024-row slices."
+    "`F.linear`; in fp32 on a CPU through chapter 06a's C product, once `pack_cpu_weights` has given the weight its panels."
     # NOTE: the same products summed in another order: equal to F.linear to fp32 rounding, not bit for bit.
-    # oneDNN keeps a compiled kernel, and memory, for every row count it meets: padding the rows into 40 classes
-    # (`onednn_rows`) and slicing long inputs into one class bounds that per weight (an unpadded server grew by
-    # hundreds of MB); the rest (257-1023 rows, and a long input's last partial slice) goes to MKL.
-    m = x.shape[0] if x.dim() == 2 else 0
-    if (not _ONEDNN_LINEAR or m == 0 or x.device.type != 'cpu' or not x.dtype == weight.dtype == torch.float32
-            or x.requires_grad or weight.requires_grad or ONEDNN_MAX_ROWS < m < ONEDNN_SLICE_ROWS):
+    panels = getattr(weight, 'cpu_panels', None)
+    if panels is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != 'cpu' or x.requires_grad or weight.requires_grad:
         return F.linear(x, weight, bias)
-    if m <= ONEDNN_MAX_ROWS:
-        pad = onednn_rows(m) - m
-        y = _onednn(F.pad(x, (0, 0, 0, pad)) if pad else x, weight, bias)
-        return y[:m] if pad else y
-    S = ONEDNN_SLICE_ROWS
-    out = torch.empty(m, weight.shape[0], dtype=x.dtype)
-    for i in range(0, m - S + 1, S): out[i:i + S] = _onednn(x[i:i + S], weight, bias)
-    if m % S: out[m - m % S:] = linear(x[m - m % S:], weight, bias)
-    return out
+    return linear_cpu(x, panels, weight.shape[0], bias)
 
-def pack_cpu_weights(model: nn.Module, batch_hint: int = 64) -> int:
-    "Give each fp32 CPU linear weight of `model` a copy in oneDNN's blocked layout, tuned for `batch_hint` rows; returns how many."
-    # NOTE: the copy is made from the weight as it is now: load_weights drops the copies, load_model packs again.
-    if not _ONEDNN_PACK: return 0
-    n = 0
+def _cpu_linears(model: nn.Module):
+    "The fp32 CPU weights of `model`'s linear layers and LM head."
     for m in model.modules():
         w = getattr(m, 'weight', None)
         if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and w.device.type == 'cpu' and w.dtype == torch.float32:
-            w.onednn_packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint); n += 1
+            yield w
+
+def pack_cpu_weights(model: nn.Module) -> int:
+    "Give each fp32 CPU linear weight of `model` its panels for chapter 06a's C product (where the C kernels build); returns how many."
+    # NOTE: the panels are a copy of the weight as it is now: load_weights drops them, load_model packs again.
+    if cpu_kernels() is None: return 0
+    n = 0
+    for w in _cpu_linears(model): w.cpu_panels = pack_panels(w); n += 1
     return n
 
 def unpack_cpu_weights(model: nn.Module):
-    "Drop the packed copies (before the weights change)."
-    for p in model.parameters(): p.__dict__.pop('onednn_packed', None)
-
-def warm_up_linears(model: nn.Module) -> int:
-    "Multiply once by each fp32 CPU linear weight shape of `model` (with or without its bias) at every oneDNN row class, and the layers' at the prefill slice; returns how many."
-    # NOTE: oneDNN builds a kernel, and keeps memory, per (weight shape, bias, row count): met here, at load, a server's
-    # memory is what it will stay at, instead of growing each time a new batch size shows up.
-    if not _ONEDNN_LINEAR: return 0
-    kinds = {}
-    for m in model.modules():
-        w = getattr(m, 'weight', None)
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and w.device.type == 'cpu' and w.dtype == torch.float32:
-            b = m.bias if isinstance(m, ColumnParallelLinear) else None        # as each forward calls `linear`
-            key, head = (tuple(w.shape), b is not None), isinstance(m, ParallelLMHead)
-            kinds[key] = (w, b, head and kinds.get(key, (0, 0, True))[2])           # a head only if no layer shares its shape
-    with torch.inference_mode():
-        for w, b, head in kinds.values():
-            for rows in sorted({onednn_rows(m) for m in range(1, ONEDNN_MAX_ROWS + 1)}): linear(w.new_zeros(rows, w.shape[1]), w, b)
-            if not head: linear(w.new_zeros(ONEDNN_SLICE_ROWS, w.shape[1]), w, b)   # a prefill slice: the LM head sees sampled rows only
-    return len(kinds)
+    "Drop the panels (before the weights change)."
+    for p in model.parameters(): p.__dict__.pop('cpu_panels', None)
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(x)
@@ -239,7 +197,7 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return f'{self.local_input_size} of {self.input_size} -> {self.output_size} (rank {self.tp_rank}/{self.tp_size}), bias={self.bias is not None}'
 
-# %% ../nbs/07_model.ipynb #f8b15d79
+# %% ../nbs/07_model.ipynb #97008761
 class VocabParallelEmbedding(nn.Module):
     "Token embedding with the vocabulary split over ranks; out-of-range ids give zeros, and an all-reduce sums the ranks."
     def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1):
@@ -280,7 +238,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size > 1: logits = _all_gather_last(logits, self.tp_size)[..., :self.num_embeddings]
         return logits.float()
 
-# %% ../nbs/07_model.ipynb #0cac6151
+# %% ../nbs/07_model.ipynb #486bab52
 class RMSNorm(nn.Module):
     "RMSNorm; with a `residual`, normalises `x + residual` and returns the sum too."
     def __init__(self, dim: int, eps: float):
@@ -401,7 +359,7 @@ class DecoderForCausalLM(nn.Module):
         "Run every norm, rotary embedding and MLP activation with chapter 06's Triton kernels (or, `False`, the torch references)."
         return self.use_ops(TRITON_OPS if enabled else TORCH_OPS)
 
-# %% ../nbs/07_model.ipynb #175a9944
+# %% ../nbs/07_model.ipynb #449a09ba
 @contextmanager
 def _default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()
@@ -415,7 +373,7 @@ def build_model(config: ModelConfig, dtype: torch.dtype | None = None, device: s
     with torch.device(device), _default_dtype(dtype or config.dtype):
         return DecoderForCausalLM(config, tp_rank, tp_size, max_positions).eval()
 
-# %% ../nbs/07_model.ipynb #c67d465f
+# %% ../nbs/07_model.ipynb #175a9944
 # checkpoint module name -> (nanoserve module name, shard_id)
 STACKED_PARAMS = {'q_proj': ('qkv_proj', 'q'), 'k_proj': ('qkv_proj', 'k'), 'v_proj': ('qkv_proj', 'v'),
                   'gate_proj': ('gate_up_proj', 0), 'up_proj': ('gate_up_proj', 1)}
@@ -470,7 +428,7 @@ def load_weights(model: DecoderForCausalLM, path: str | Path):
                 try: param.weight_loader(param, st.get_tensor(name), shard_id)
                 except ValueError as e: raise ValueError(f'{name}: {e}') from e
 
-# %% ../nbs/07_model.ipynb #3a31c6fc
+# %% ../nbs/07_model.ipynb #34064ebc
 HUB_ALLOW_PATTERNS = ['*.json', '*.safetensors', 'tokenizer*', '*.model', '*.tiktoken', 'merges.txt', '*.jinja']
 
 def _hub_offline() -> bool: return os.environ.get('HF_HUB_OFFLINE', '').strip().lower() in ('1', 'on', 'yes', 'true')
@@ -498,5 +456,4 @@ def load_model(model: str | Path, dtype: torch.dtype | None = None, device: str 
     net = build_model(config, dtype, device, tp_rank, tp_size, max_positions)
     load_weights(net, path)
     pack_cpu_weights(net)
-    warm_up_linears(net)
     return net, config
