@@ -232,7 +232,7 @@ def _print_env(env: dict):
           f"OMP_WAIT_POLICY={env['omp_wait_policy']}]")
 
 # %% ../nbs/15_bench.ipynb #7a643fcb
-def decode_throughput(engine, batch_size: int, context: int = 256, steps: int = 8, vocab: tuple[int, int] = (100, 10000),
+def decode_throughput(engine, batch_size: int, context: int = 256, steps: int = 32, vocab: tuple[int, int] = (100, 10000),
                       seed: int = 0) -> dict:
     "Decode tokens per second at a steady batch of `batch_size` requests, each `context` tokens in: prefill first, then time `steps` decode steps."
     rng = random.Random(seed)
@@ -250,7 +250,7 @@ def decode_throughput(engine, batch_size: int, context: int = 256, steps: int = 
     while engine.has_unfinished: engine.step()
     return dict(batch_size=batch_size, context=context, steps=steps, seconds=seconds, tokens_per_s=batch_size * steps / seconds)
 
-def transformers_decode_throughput(model, batch_size: int, context: int = 256, steps: int = 8,
+def transformers_decode_throughput(model, batch_size: int, context: int = 256, steps: int = 32,
                                    vocab: tuple[int, int] = (100, 10000), seed: int = 0) -> dict:
     "The same for `transformers`: prefill a batch of `context`-token prompts, then time `steps` greedy decode steps of its forward with the KV cache, as `generate` runs them."
     rng = random.Random(seed)
@@ -270,7 +270,7 @@ def transformers_decode_throughput(model, batch_size: int, context: int = 256, s
         _sync(model.device); seconds = time.perf_counter() - start
     return dict(batch_size=batch_size, context=context, steps=steps, seconds=seconds, tokens_per_s=batch_size * steps / seconds)
 
-def decode_sweep(engine, peer=None, batch_sizes: Sequence[int] = (1, 8, 32, 64, 128), context: int = 256, steps: int = 8,
+def decode_sweep(engine, peer=None, batch_sizes: Sequence[int] = (1, 8, 32, 64, 128), context: int = 256, steps: int = 32,
                  vocab: tuple[int, int] = (100, 10000)) -> dict:
     "Decode throughput against batch size, for nanoserve (and the peer), with each point's fraction of the compute ceiling."
     flops, rate, rows = 2 * model_params(engine), matmul_rate(), []
@@ -533,7 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument('--batch-sizes', type=int, nargs='+', default=[1, 8, 32, 64, 128])
     p.add_argument('--context', type=int, default=256, help='tokens in each request when decoding starts (default: 256)')
-    p.add_argument('--steps', type=int, default=8, help='decode steps timed per batch size (default: 8)')
+    p.add_argument('--steps', type=int, default=32, help='decode steps timed per batch size (default: 32)')
     p.add_argument('--plot', metavar='PNG', help='also plot throughput against batch size')
     p = command('ablations', 'overlap scheduling on/off (random workload) and the radix cache on/off (shared prefixes)')
     _model_args(p, peer=False)
