@@ -135,7 +135,7 @@ def matmul_rate(n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.floa
             fns.append(lambda a, b: torch.ops.mkldnn._linear_pointwise(a, packed, None, 'none', [], ''))
         if cpu_kernels() is not None:
             panels = pack_panels(b)
-            fns.append(lambda a, b: linear_cpu(a, panels, n))
+            fns.append(lambda a, b: linear_cpu(a, panels))
     for fn in fns:
         for _ in range(repeats + 1):    # the first is a warm-up
             _sync(torch.device(device)); start = time.perf_counter(); fn(a, b); _sync(torch.device(device))

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import ctypes, hashlib, logging, os, platform, subprocess, tempfile
 from functools import cache
+from typing import NamedTuple
 from pathlib import Path
 
 import torch
@@ -15,7 +16,8 @@ from .kernels import rms_norm_ref, rope_ref, silu_and_mul_ref
 # %% auto #0
 __all__ = ['C_SOURCE', 'CPU_KERNELS_ENV', 'CFLAGS', 'log', 'MAX_BLOCK', 'Blocks', 'PANEL', 'kernel_cache_dir', 'compile_library',
            'cpu_kernels', 'supports', 'single_blocks', 'PagedAttention', 'paged_attention', 'shared_prefix_blocks',
-           'extend_blocks', 'rms_norm_cpu', 'rope_cpu', 'silu_and_mul_cpu', 'zeros_huge', 'pack_panels', 'linear_cpu']
+           'extend_blocks', 'rms_norm_cpu', 'rope_cpu', 'silu_and_mul_cpu', 'zeros_huge', 'Panels', 'pack_panels',
+           'linear_cpu']
 
 # %% ../nbs/06a_cpu_kernels.ipynb #07426327
 C_SOURCE = r'''
@@ -610,34 +612,37 @@ def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> to
 # %% ../nbs/06a_cpu_kernels.ipynb #09d49115
 PANEL = 24   # output columns per panel (`NR` in the C source)
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    "`weight` `[N, K]` (fp32, CPU) as panels `[ceil(N / 24), K, 24]` for `linear_cpu`: `panels[p, k, j] = weight[24p + j, k]`, zero past `N`."
+class Panels(NamedTuple):
+    "A weight `[out_features, in_features]` packed for the C product: `data[p, k, j] = weight[24p + j, k]`, zero past `out_features`."
+    data: torch.Tensor          # [ceil(out_features / 24), in_features, 24] fp32, contiguous
+    out_features: int
+    in_features: int
+
+def pack_panels(weight: torch.Tensor) -> Panels:
+    "`weight` `[N, K]` (fp32, CPU) packed in panels of 24 output columns for `linear_cpu`."
     if weight.dim() != 2 or weight.dtype != _F32 or weight.device.type != 'cpu':
         raise ValueError(f'pack_panels: weight must be a 2-D fp32 CPU tensor, got {tuple(weight.shape)} {weight.dtype} on {weight.device}')
     N, K = weight.shape
     P = -(-N // PANEL)
     padded = torch.zeros(P * PANEL, K)
     padded[:N] = weight.detach()
-    return padded.view(P, PANEL, K).transpose(1, 2).contiguous()
+    return Panels(padded.view(P, PANEL, K).transpose(1, 2).contiguous(), N, K)
 
-def linear_cpu(x: torch.Tensor,               # [M, K] fp32 on the CPU; rows may be any distance apart
-               panels: torch.Tensor,          # `pack_panels(weight)` of the weight [out_features, K]
-               out_features: int,
+def linear_cpu(x: torch.Tensor,               # [M, in_features] fp32 on the CPU; rows may be any distance apart
+               panels: Panels,                # `pack_panels(weight)`
                bias: torch.Tensor | None = None) -> torch.Tensor:   # [out_features] fp32, or None
-    "`F.linear(x, weight, bias)` through the C product, for the weight whose panels these are; a new `[M, out_features]` tensor."
+    "`F.linear(x, weight, bias)` through the C product, for the weight `panels` was packed from; a new `[M, out_features]` tensor."
+    # NOTE: the panels were checked when packed; per call only x and bias are (this runs ~120 times a decode step).
     lib = cpu_kernels()
     if lib is None: raise RuntimeError('linear_cpu: the C kernels are not available here (see cpu_kernels)')
-    if (panels.dim() != 3 or panels.shape[0] != -(-out_features // PANEL) or panels.shape[2] != PANEL or panels.dtype != _F32
-            or panels.device.type != 'cpu' or not panels.is_contiguous()):
-        raise ValueError(f'linear_cpu: panels must be pack_panels of an fp32 CPU weight with {out_features} rows, got {tuple(panels.shape)} {panels.dtype}')
-    K = panels.shape[1]
+    N, K = panels.out_features, panels.in_features
     if x.dim() != 2 or x.shape[1] != K or x.dtype != _F32 or x.device.type != 'cpu':
         raise ValueError(f'linear_cpu: x must be a 2-D fp32 CPU tensor of {K} columns, got {tuple(x.shape)} {x.dtype} on {x.device}')
-    if bias is not None and (bias.shape != (out_features,) or bias.dtype != _F32 or bias.device.type != 'cpu' or not bias.is_contiguous()):
-        raise ValueError(f'linear_cpu: bias must be a contiguous fp32 CPU tensor of shape ({out_features},), got {tuple(bias.shape)} {bias.dtype}')
+    if bias is not None and (bias.shape != (N,) or bias.dtype != _F32 or bias.device.type != 'cpu' or not bias.is_contiguous()):
+        raise ValueError(f'linear_cpu: bias must be a contiguous fp32 CPU tensor of shape ({N},), got {tuple(bias.shape)} {bias.dtype}')
     if x.stride(1) != 1: x = x.contiguous()
-    y = torch.empty(x.shape[0], out_features)
+    y = torch.empty(x.shape[0], N)
     if x.shape[0]:
-        lib.linear_f32(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                       out_features, x.shape[0], out_features, K, torch.get_num_threads())
+        lib.linear_f32(x.data_ptr(), x.stride(0), panels.data.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                       N, x.shape[0], N, K, torch.get_num_threads())
     return y

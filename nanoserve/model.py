@@ -68,7 +68,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     panels = getattr(weight, 'cpu_panels', None)
     if panels is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != 'cpu' or x.requires_grad or weight.requires_grad:
         return F.linear(x, weight, bias)
-    return linear_cpu(x, panels, weight.shape[0], bias)
+    return linear_cpu(x, panels, bias)
 
 def _cpu_linears(model: nn.Module):
     "The fp32 CPU weights of `model`'s linear layers and LM head."
