@@ -144,39 +144,38 @@ INLINE void softmax(float *s, int len, int ls, int G) {
 /* Positions [a, b) of a page-table row, a run of consecutive slots at a time: a run ends at a page boundary. */
 #define FOR_RUNS(slots, a, b, t, n) for (int t = (a), n; t < (b) && (n = ((ps - t % ps) < (b) - t ? ps - t % ps : (b) - t)) > 0; t += n)
 
-/* The G query heads of one KV head, for the R query rows of a block (query row r: q + order[r] * q_stride, seeing
-   positions [0, lens[r]) of page-table row prow[r]); positions [0, shared) are the same slots in every row of the
-   block, so each of their keys and values is read from memory once for all R rows. s: R * G rows of ls scores. */
+/* Query heads h * G + g of KV heads h in [0, NK) for the R query rows of a block (q, k, v, o start at the block's first KV
+   head; query row r: q + order[r] * q_stride, seeing positions [0, lens[r]) of page-table row prow[r]); each run of slots
+   is read for all NK KV heads before the next, so a thread walks the pool's rows (NK * D floats a slot) in order.
+   Positions [0, shared) are the same slots in every row of the block: each of their keys and values is read once for
+   all R rows. s: R * NK * G rows of ls scores. */
+#define HEADS(body) for (int h = 0; h < NK; h++) for (int g = 0; g < G; g += 3) { const int hg = h * G + g, hb = G - g < 3 ? G - g : 3; body; }
 INLINE void attend_block(const float *q, int64_t q_stride, const float *k, const float *v, const int32_t *const *prow,
                          const int32_t *order, const int32_t *lens, int R, int shared, float *o, int64_t o_stride, float *s,
-                         int ls, int G, int KVH, const int D, int ps, float scale) {
-    const int row = KVH * D;
-    FOR_RUNS(prow[0], 0, shared, t0, n) {                /* shared keys: one page in cache, every row of the block */
-        const float *kp = k + (int64_t)prow[0][t0] * row, *next = NEXT_RUN(k, prow[0], t0 + n, shared);
+                         int ls, int G, int NK, int KVH, const int D, int ps, float scale) {
+    const int row = KVH * D, HN = NK * G;
+    FOR_RUNS(prow[0], 0, shared, t0, n) {
+        const float *kp = k + (int64_t)prow[0][t0] * row, *nx = NEXT_RUN(k, prow[0], t0 + n, shared);
         for (int r = 0; r < R; r++)
-            for (int g = 0; g < G; g += 3)
-                BY_HB(G - g < 3 ? G - g : 3, scores, q + order[r] * q_stride + g * D, kp, n, next, s + (r * G + g) * ls + t0, ls, scale);
+            HEADS(BY_HB(hb, scores, q + order[r] * q_stride + hg * D, kp + h * D, n, nx ? nx + h * D : 0, s + (r * HN + hg) * ls + t0, ls, scale))
     }
-    for (int r = 0; r < R; r++) {                        /* each row's own keys */
+    for (int r = 0; r < R; r++) {
         FOR_RUNS(prow[r], shared, lens[r], t0, n) {
-            const float *kp = k + (int64_t)prow[r][t0] * row, *next = NEXT_RUN(k, prow[r], t0 + n, lens[r]);
-            for (int g = 0; g < G; g += 3)
-                BY_HB(G - g < 3 ? G - g : 3, scores, q + order[r] * q_stride + g * D, kp, n, next, s + (r * G + g) * ls + t0, ls, scale);
+            const float *kp = k + (int64_t)prow[r][t0] * row, *nx = NEXT_RUN(k, prow[r], t0 + n, lens[r]);
+            HEADS(BY_HB(hb, scores, q + order[r] * q_stride + hg * D, kp + h * D, n, nx ? nx + h * D : 0, s + (r * HN + hg) * ls + t0, ls, scale))
         }
-        softmax(s + r * G * ls, lens[r], ls, G);
-        memset(o + order[r] * o_stride, 0, sizeof(float) * G * D);
+        softmax(s + r * HN * ls, lens[r], ls, HN);
+        memset(o + order[r] * o_stride, 0, sizeof(float) * HN * D);
     }
     FOR_RUNS(prow[0], 0, shared, t0, n) {
-        const float *vp = v + (int64_t)prow[0][t0] * row, *next = NEXT_RUN(v, prow[0], t0 + n, shared);
+        const float *vp = v + (int64_t)prow[0][t0] * row, *nx = NEXT_RUN(v, prow[0], t0 + n, shared);
         for (int r = 0; r < R; r++)
-            for (int g = 0; g < G; g += 3)
-                BY_HB(G - g < 3 ? G - g : 3, values, s + (r * G + g) * ls + t0, vp, n, next, o + order[r] * o_stride + g * D, ls);
+            HEADS(BY_HB(hb, values, s + (r * HN + hg) * ls + t0, vp + h * D, n, nx ? nx + h * D : 0, o + order[r] * o_stride + hg * D, ls))
     }
     for (int r = 0; r < R; r++)
         FOR_RUNS(prow[r], shared, lens[r], t0, n) {
-            const float *vp = v + (int64_t)prow[r][t0] * row, *next = NEXT_RUN(v, prow[r], t0 + n, lens[r]);
-            for (int g = 0; g < G; g += 3)
-                BY_HB(G - g < 3 ? G - g : 3, values, s + (r * G + g) * ls + t0, vp, n, next, o + order[r] * o_stride + g * D, ls);
+            const float *vp = v + (int64_t)prow[r][t0] * row, *nx = NEXT_RUN(v, prow[r], t0 + n, lens[r]);
+            HEADS(BY_HB(hb, values, s + (r * HN + hg) * ls + t0, vp + h * D, n, nx ? nx + h * D : 0, o + order[r] * o_stride + hg * D, ls))
         }
 }
 
@@ -185,7 +184,8 @@ INLINE void attend_block(const float *q, int64_t q_stride, const float *k, const
 /* out[i] = attention of query row i (q + i * q_stride, [H, D]) over positions [0, lens[i]) of page-table row rows[i].
    The rows are taken in blocks: block b is rows order[starts[b] .. starts[b + 1]), at most 16, which share the slots of
    positions [0, shared[b]). k, v: one layer's pool [slots, KVH, D]; page_table: [num_rows, width] int32 slot ids;
-   scratch: `threads` rows of scratch_stride floats. With num_new > 0, the keys and values of num_new new tokens
+   scratch: `threads` rows of scratch_stride floats, at least 16 * (H / KVH) * width rounded up to 8 (all H heads of
+   the largest block, when that is more, let a thread read each slot for all KV heads at once). With num_new > 0, the keys and values of num_new new tokens
    (k_new, v_new: rows of KVH * D floats, k_new_stride and v_new_stride apart) are first written to the pool's slots
    new_slots[i] (the step's KV store), so the rows can attend to them. Returns 0, or -1 for a length outside [1, width],
    -2 for a row outside [0, num_rows), -3 for bad blocks (one empty or over 16 rows, a row in none or two, a shared
@@ -205,9 +205,10 @@ int paged_attention_f32(const float *q, int64_t q_stride, float *k, float *v, co
     if (starts[0] != 0 || starts[num_blocks] != N) return -3;
     unsigned char *seen = calloc(N, 1);                  /* every query row in exactly one block */
     if (!seen) return -4;
-    int bad = 0;
+    int bad = 0, max_rows = 0;
     for (int64_t b = 0; b < num_blocks && !bad; b++) {
         if (starts[b + 1] - starts[b] < 1 || starts[b + 1] - starts[b] > MAX_BLOCK || shared[b] < 0) bad = 1;
+        if (starts[b + 1] - starts[b] > max_rows) max_rows = starts[b + 1] - starts[b];
         for (int j = starts[b]; j < starts[b + 1] && !bad; j++)
             if (order[j] < 0 || order[j] >= N || seen[order[j]]++ || shared[b] > lens[order[j]]) bad = 1;
     }
@@ -220,12 +221,13 @@ int paged_attention_f32(const float *q, int64_t q_stride, float *k, float *v, co
         memcpy(v + new_slots[i] * row, v_new + i * v_new_stride, sizeof(float) * row);
     }
     const int G = H / KVH;
-    /* a work item: one block, one KV head. With blocks enough for every thread, a thread takes all KV heads of a block
-       in turn: they share the pool's cache lines and DRAM pages (15-17% faster at batch 32-64 here than spreading them) */
-    const int chunk = num_blocks >= 2 * threads ? KVH : 1;
-    #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
-    for (int64_t w = 0; w < num_blocks * KVH; w++) {
-        const int64_t b = w / KVH; const int kh = w % KVH;
+    /* a work item: one block and all KV heads when there are blocks enough for every thread (a thread then reads the
+       pool's slots whole, 5-9% faster at batch 32-64 here than a KV head at a time) and scratch for all heads; one block
+       and one KV head otherwise */
+    const int NK = num_blocks >= 2 * threads && max_rows * H * ls_max <= scratch_stride ? KVH : 1, per = KVH / NK;
+    #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t w = 0; w < num_blocks * per; w++) {
+        const int64_t b = w / per; const int kh = (int)(w % per) * NK;
         const int R = starts[b + 1] - starts[b];
         const int32_t *ord = order + starts[b], *prow[MAX_BLOCK];
         int32_t len[MAX_BLOCK]; int ls = 8;
@@ -235,9 +237,9 @@ int paged_attention_f32(const float *q, int64_t q_stride, float *k, float *v, co
         }
         const float *qb = q + (int64_t)kh * G * D, *kb = k + (int64_t)kh * D, *vb = v + (int64_t)kh * D;
         float *ob = out + (int64_t)kh * G * D, *s = scratch + omp_get_thread_num() * scratch_stride;
-        if (D == 64) attend_block(qb, q_stride, kb, vb, prow, ord, len, R, shared[b], ob, (int64_t)H * D, s, ls, G, KVH, 64, ps, scale);
-        else if (D == 128) attend_block(qb, q_stride, kb, vb, prow, ord, len, R, shared[b], ob, (int64_t)H * D, s, ls, G, KVH, 128, ps, scale);
-        else attend_block(qb, q_stride, kb, vb, prow, ord, len, R, shared[b], ob, (int64_t)H * D, s, ls, G, KVH, D, ps, scale);
+        if (D == 64) attend_block(qb, q_stride, kb, vb, prow, ord, len, R, shared[b], ob, (int64_t)H * D, s, ls, G, NK, KVH, 64, ps, scale);
+        else if (D == 128) attend_block(qb, q_stride, kb, vb, prow, ord, len, R, shared[b], ob, (int64_t)H * D, s, ls, G, NK, KVH, 128, ps, scale);
+        else attend_block(qb, q_stride, kb, vb, prow, ord, len, R, shared[b], ob, (int64_t)H * D, s, ls, G, NK, KVH, D, ps, scale);
     }
     return 0;
 }
@@ -301,15 +303,20 @@ void silu_and_mul_f32(const float *x, int64_t sx, float *out, int64_t T, int I, 
 #define MC 128         /* rows per chunk: a thread walks its panels once per chunk, the chunk's rows staying in cache */
 
 /* R (1-4) rows of y, the nc (<= NR) columns of one panel: y[r, c] = x[r] . w[c] over K, the panel laid out [K][NR]
-   (the NR columns of each k side by side); while at it, prefetch the next panel (or nothing) */
-INLINE void gemm_tile(const float *x, int64_t sx, const float *w, const float *next, const float *bias, float *y,
-                      int64_t sy, int K, int R, int nc) {
+   (the NR columns of each k side by side). While at it, prefetch `lines` cache lines (16 floats each) from pf: one
+   every `every` k, or two a k when every is 0. */
+INLINE void gemm_tile(const float *x, int64_t sx, const float *w, const float *bias, float *y, int64_t sy, int K, int R,
+                      int nc, const float *pf, int lines, int every) {
     v8 c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0},
        c20 = {0}, c21 = {0}, c22 = {0}, c30 = {0}, c31 = {0}, c32 = {0};
     const float *x0 = x, *x1 = x + sx, *x2 = x + 2 * sx, *x3 = x + 3 * sx;
+    int due = 1, done = 0;
     for (int k = 0; k < K; k++) {
         const float *wk = w + (int64_t)k * NR;
-        if (next) { __builtin_prefetch(next + (int64_t)k * NR, 0, 3); __builtin_prefetch(next + (int64_t)k * NR + 16, 0, 3); }
+        if (lines) {             /* (tested this way, the loop is compiled once with and once without prefetching) */
+            if (!every) { if (2 * k < lines) { __builtin_prefetch(pf + 32 * k, 0, 3); __builtin_prefetch(pf + 32 * k + 16, 0, 3); } }
+            else if (--due == 0) { due = every; if (done < lines) __builtin_prefetch(pf + 16 * done++, 0, 3); }
+        }
         const v8 b0 = LD(wk), b1 = LD(wk + 8), b2 = LD(wk + 16);
         float a = x0[k]; c00 += a * b0; c01 += a * b1; c02 += a * b2;
         if (R > 1) { a = x1[k]; c10 += a * b0; c11 += a * b1; c12 += a * b2; }
@@ -342,17 +349,24 @@ void linear_f32(const float *x, int64_t sx, const float *w, const float *bias, f
         const int p0 = by_panels ? (int)((int64_t)P * t / nt) : 0, p1 = by_panels ? (int)((int64_t)P * (t + 1) / nt) : P;
         for (int64_t ch = by_panels ? 0 : t; ch < chunks; ch += by_panels ? 1 : nt) {
             const int64_t m0 = ch * MC, m1 = m0 + MC < M ? m0 + MC : M;
+            /* the next panel of the range comes from memory while this one is used: each tile of rows prefetches an
+               equal share of its lines, spread over its k loop (all of them in the first tile was 4-15% slower at 8-64 rows) */
+            const int tiles = (int)((m1 - m0 + 3) / 4), lines = (K * NR + 15) / 16, share = (lines + tiles - 1) / tiles;
+            const int every = share <= K ? K / share : 0;
             for (int p = p0; p < p1; p++) {
-                const float *wp = w + (int64_t)p * K * NR, *next = p + 1 < p1 ? wp + (int64_t)K * NR : 0;
+                const float *wp = w + (int64_t)p * K * NR, *next = wp + (int64_t)K * NR;
                 const float *bp = bias ? bias + p * NR : 0;
                 const int nc = N - p * NR < NR ? N - p * NR : NR;
                 float *yp = y + p * NR;
-                int64_t i = m0;
-                for (; i + 4 <= m1; i += 4) gemm_tile(x + i * sx, sx, wp, i == m0 ? next : 0, bp, yp + i * sy, sy, K, 4, nc);
-                switch (m1 - i) {
-                    case 3: gemm_tile(x + i * sx, sx, wp, i == m0 ? next : 0, bp, yp + i * sy, sy, K, 3, nc); break;
-                    case 2: gemm_tile(x + i * sx, sx, wp, i == m0 ? next : 0, bp, yp + i * sy, sy, K, 2, nc); break;
-                    case 1: gemm_tile(x + i * sx, sx, wp, i == m0 ? next : 0, bp, yp + i * sy, sy, K, 1, nc); break;
+                for (int64_t i = m0, first = 0; i < m1; i += 4, first += share) {
+                    const int n = p + 1 < p1 && first < lines ? (share < lines - first ? share : (int)(lines - first)) : 0;
+                    const float *xi = x + i * sx, *pf = next + first * 16; float *yi = yp + i * sy;
+                    switch (m1 - i < 4 ? m1 - i : 4) {
+                        case 4: gemm_tile(xi, sx, wp, bp, yi, sy, K, 4, nc, pf, n, every); break;
+                        case 3: gemm_tile(xi, sx, wp, bp, yi, sy, K, 3, nc, pf, n, every); break;
+                        case 2: gemm_tile(xi, sx, wp, bp, yi, sy, K, 2, nc, pf, n, every); break;
+                        default: gemm_tile(xi, sx, wp, bp, yi, sy, K, 1, nc, pf, n, every); break;
+                    }
                 }
             }
         }
@@ -458,6 +472,7 @@ class PagedAttention:
         self.page_table, self.rows, self.lens, self.page_size = page_table, rows, lens, page_size
         self.order, self.starts, self.shared = order, starts, shared
         self.threads, self.width = torch.get_num_threads(), page_table.shape[1]
+        self.most_rows = int((starts[1:] - starts[:-1]).max()) if starts.shape[0] > 1 else 1   # in a block
         self._scratch: torch.Tensor | None = None        # kept for every layer of the batch
 
     def run(self,
@@ -492,8 +507,7 @@ class PagedAttention:
                 raise ValueError('paged_attention: new_slots must be a contiguous int64 CPU tensor')
             new = (k_new.data_ptr(), v_new.data_ptr(), k_new.stride(0), v_new.stride(0), new_slots.data_ptr())
         if N == 0 and m == 0: return out
-        G = H // k_pool.shape[1]
-        need = MAX_BLOCK * G * (-(-self.width // 8) * 8)
+        need = max(MAX_BLOCK * (H // k_pool.shape[1]), self.most_rows * H) * (-(-self.width // 8) * 8)   # a block's scores: one KV head, or all
         if self._scratch is None or self._scratch.shape[1] < need: self._scratch = torch.empty(self.threads, need)
         scratch = self._scratch
         err = self.lib.paged_attention_f32(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), self.page_table.data_ptr(),
