@@ -14,10 +14,10 @@ import torch
 from .kernels import rms_norm_ref, rope_ref, silu_and_mul_ref
 
 # %% auto #0
-__all__ = ['C_SOURCE', 'CPU_KERNELS_ENV', 'CFLAGS', 'log', 'MAX_BLOCK', 'Blocks', 'PANEL', 'kernel_cache_dir', 'compile_library',
-           'cpu_kernels', 'supports', 'single_blocks', 'PagedAttention', 'paged_attention', 'shared_prefix_blocks',
-           'extend_blocks', 'rms_norm_cpu', 'rope_cpu', 'silu_and_mul_cpu', 'zeros_huge', 'Panels', 'pack_panels',
-           'linear_cpu']
+__all__ = ['C_SOURCE', 'CPU_KERNELS_ENV', 'CFLAGS', 'log', 'MAX_BLOCK', 'Blocks', 'PANEL', 'LAYER_PTRS', 'kernel_cache_dir',
+           'compile_library', 'cpu_kernels', 'supports', 'single_blocks', 'PagedAttention', 'paged_attention',
+           'shared_prefix_blocks', 'extend_blocks', 'rms_norm_cpu', 'rope_cpu', 'silu_and_mul_cpu', 'zeros_huge',
+           'Panels', 'pack_panels', 'linear_cpu', 'LayerWeights', 'DecoderWeights', 'pack_decoder', 'decode_layers_cpu']
 
 # %% ../nbs/06a_cpu_kernels.ipynb #07426327
 C_SOURCE = r'''
@@ -372,6 +372,48 @@ void linear_f32(const float *x, int64_t sx, const float *w, const float *bias, f
         }
     }
 }
+
+/* ---- a decode step's decoder layers in one call ---- */
+
+/* The addresses decode_layers_f32 reads for each layer (w + l * LAYER_PTRS): the two RMSNorm weights, the packed
+   weights (panels) of the four linear layers and their biases (0 for none) */
+enum { W_NORM1, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_NORM2, W_GATE_UP, W_DOWN, LAYER_PTRS };
+#define PTR(l, i) ((const float *)(intptr_t)w[(int64_t)(l) * LAYER_PTRS + (i)])
+
+/* The L decoder layers of a decode step (T tokens, one a request), the kernels above called in the order of the
+   model's own forward, so the result is the same to the bit: per layer, RMSNorm (adding the residual), q/k/v
+   projection, RoPE, the store of the new keys and values and paged attention (the plan's page table, rows, lengths and
+   blocks), output projection, RMSNorm (adding the residual), gate/up projection, SiLU-and-mul, down projection.
+   hidden [T, C]: the embeddings in, the last layer's output out; residual [T, C]: the residual stream out (layer 0
+   starts it from the embeddings, as the model does). k, v: the pools of all layers, layer_stride floats apart.
+   work: T * (C + (H + 2 KVH) D + H D + 3 I) floats. Returns 0 or paged_attention_f32's error. */
+int decode_layers_f32(int64_t T, int L, int C, int H, int KVH, int D, int I, float eps, const int64_t *w,
+                      float *hidden, float *residual, const int64_t *positions, const float *cos_sin, int64_t scs,
+                      float *k, float *v, int64_t layer_stride, int64_t num_slots, const int64_t *new_slots,
+                      const int32_t *page_table, int64_t num_rows, int64_t width, const int32_t *rows, const int32_t *lens,
+                      const int32_t *order, const int32_t *starts, const int32_t *shared, int64_t num_blocks, int ps,
+                      float scale, float *scratch, int64_t scratch_stride, float *work, int threads) {
+    const int QKV = (H + 2 * KVH) * D;
+    float *normed = work, *qkv = normed + T * C, *att = qkv + T * QKV, *gate_up = att + T * H * D, *act = gate_up + T * 2 * I;
+    for (int l = 0; l < L; l++) {
+        if (l == 0) {
+            memcpy(residual, hidden, sizeof(float) * T * C);
+            rms_norm_f32(hidden, C, 0, 0, PTR(l, W_NORM1), normed, 0, T, C, eps, threads);
+        } else rms_norm_f32(hidden, C, residual, C, PTR(l, W_NORM1), normed, residual, T, C, eps, threads);
+        linear_f32(normed, C, PTR(l, W_QKV), PTR(l, W_QKV_BIAS), qkv, QKV, T, QKV, C, threads);
+        rope_f32(qkv, QKV, H, qkv + H * D, QKV, KVH, T, D, positions, cos_sin, scs, threads);
+        int err = paged_attention_f32(qkv, QKV, k + l * layer_stride, v + l * layer_stride, page_table, num_rows, width, rows, lens,
+                                      att, scratch, scratch_stride, threads, T, H, KVH, D, ps, scale, order, starts, shared,
+                                      num_blocks, qkv + H * D, qkv + (H + KVH) * D, QKV, QKV, new_slots, T, num_slots);
+        if (err) return err;
+        linear_f32(att, H * D, PTR(l, W_O), PTR(l, W_O_BIAS), hidden, C, T, C, H * D, threads);
+        rms_norm_f32(hidden, C, residual, C, PTR(l, W_NORM2), normed, residual, T, C, eps, threads);
+        linear_f32(normed, C, PTR(l, W_GATE_UP), 0, gate_up, 2 * I, T, 2 * I, C, threads);
+        silu_and_mul_f32(gate_up, 2 * I, act, T, I, threads);
+        linear_f32(act, I, PTR(l, W_DOWN), 0, hidden, C, T, C, I, threads);
+    }
+    return 0;
+}
 '''
 
 # %% ../nbs/06a_cpu_kernels.ipynb #83c0d18b
@@ -420,6 +462,9 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.rope_f32.argtypes = [P, L, I, P, L, I, L, I, P, P, L, I]
     lib.silu_and_mul_f32.argtypes = [P, L, P, L, I, I]
     lib.linear_f32.argtypes = [P, L, P, P, P, L, L, I, I, I]
+    lib.decode_layers_f32.argtypes = [L, I, I, I, I, I, I, ctypes.c_float, P, P, P, P, P, L, P, P, L, L, P, P, L, L, P, P,
+                                      P, P, P, L, I, ctypes.c_float, P, L, P, I]
+    lib.decode_layers_f32.restype = I
     for f in (lib.rms_norm_f32, lib.rope_f32, lib.silu_and_mul_f32, lib.linear_f32): f.restype = None
     return lib
 
@@ -507,21 +552,29 @@ class PagedAttention:
                 raise ValueError('paged_attention: new_slots must be a contiguous int64 CPU tensor')
             new = (k_new.data_ptr(), v_new.data_ptr(), k_new.stride(0), v_new.stride(0), new_slots.data_ptr())
         if N == 0 and m == 0: return out
-        need = max(MAX_BLOCK * (H // k_pool.shape[1]), self.most_rows * H) * (-(-self.width // 8) * 8)   # a block's scores: one KV head, or all
-        if self._scratch is None or self._scratch.shape[1] < need: self._scratch = torch.empty(self.threads, need)
-        scratch = self._scratch
+        scratch = self.scratch(H, k_pool.shape[1])
         err = self.lib.paged_attention_f32(q.data_ptr(), q.stride(0), k_pool.data_ptr(), v_pool.data_ptr(), self.page_table.data_ptr(),
                                            self.page_table.shape[0], self.width, self.rows.data_ptr(), self.lens.data_ptr(), out.data_ptr(),
                                            scratch.data_ptr(), scratch.stride(0), self.threads, N, H, k_pool.shape[1], D, self.page_size,
                                            scale, self.order.data_ptr(), self.starts.data_ptr(), self.shared.data_ptr(),
                                            self.shared.shape[0], *new, m, k_pool.shape[0])
+        self.check(err, k_pool.shape[0], new_slots)
+        return out
+
+    def scratch(self, H: int, KVH: int) -> torch.Tensor:
+        "The threads' scratch for H query heads over KVH KV heads: a block's scores for one KV head, or for all; kept for every layer."
+        need = max(MAX_BLOCK * (H // KVH), self.most_rows * H) * (-(-self.width // 8) * 8)
+        if self._scratch is None or self._scratch.shape[1] < need: self._scratch = torch.empty(self.threads, need)
+        return self._scratch
+
+    def check(self, err: int, num_slots: int, new_slots: torch.Tensor | None):
+        "Raise the error the C kernel returned (0: none), naming what was wrong."
         if err == -1: raise ValueError(f'paged_attention: every length must be in [1, {self.width}] (the page-table width); got {self.lens.tolist()}')
         if err == -2: raise ValueError(f'paged_attention: every row must be in [0, {self.page_table.shape[0]}); got {self.rows.tolist()}')
-        if err == -3: raise ValueError(f'paged_attention: bad blocks: each must hold 1 to {MAX_BLOCK} of the {N} query rows, once each, '
+        if err == -3: raise ValueError(f'paged_attention: bad blocks: each must hold 1 to {MAX_BLOCK} of the {self.n} query rows, once each, '
                                        f'and share no more positions than its shortest row sees')
-        if err == -5: raise ValueError(f'paged_attention: every new slot must be in [0, {k_pool.shape[0]}) (the pool); got {new_slots.tolist()}')
+        if err == -5: raise ValueError(f'paged_attention: every new slot must be in [0, {num_slots}) (the pool); got {new_slots.tolist()}')
         if err: raise MemoryError('paged_attention: out of memory')
-        return out
 
 def paged_attention(q: torch.Tensor,           # [N, H, D] fp32: one query row each (a row-strided view is fine)
                     k_pool: torch.Tensor,      # [num_slots, KVH, D] fp32, contiguous: one layer's keys
@@ -660,3 +713,95 @@ def linear_cpu(x: torch.Tensor,               # [M, in_features] fp32 on the CPU
         lib.linear_f32(x.data_ptr(), x.stride(0), panels.data.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
                        N, x.shape[0], N, K, torch.get_num_threads())
     return y
+
+# %% ../nbs/06a_cpu_kernels.ipynb #a7a6de25
+LAYER_PTRS = 8   # addresses per layer in a `DecoderWeights` table (`LAYER_PTRS` in the C source)
+
+class LayerWeights(NamedTuple):
+    "One decoder layer's weights as the C decode step reads them (fp32, CPU)."
+    input_norm: torch.Tensor          # [C]
+    qkv: Panels                       # C -> (H + 2 KVH) D: q, k, v side by side
+    qkv_bias: torch.Tensor | None     # [(H + 2 KVH) D]
+    o: Panels                         # H D -> C
+    o_bias: torch.Tensor | None       # [C]
+    post_norm: torch.Tensor           # [C]
+    gate_up: Panels                   # C -> 2 I: gate, then up
+    down: Panels                      # I -> C
+
+class DecoderWeights(NamedTuple):
+    "A stack of decoder layers for `decode_layers_cpu`: their addresses in one table, and the layers, which keep them alive."
+    table: torch.Tensor               # [L, LAYER_PTRS] int64
+    layers: tuple[LayerWeights, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    eps: float
+
+def _vector(name: str, t: torch.Tensor | None, n: int, optional: bool = False) -> int:
+    "The address of `t`, a contiguous fp32 CPU vector of `n` (0 for an optional one that is None)."
+    if t is None and optional: return 0
+    if t is None or t.dtype != _F32 or t.device.type != 'cpu' or t.shape != (n,) or not t.is_contiguous():
+        raise ValueError(f'pack_decoder: {name} must be a contiguous fp32 CPU tensor of shape ({n},), got '
+                         f'{None if t is None else (tuple(t.shape), t.dtype, t.device.type)}')
+    return t.data_ptr()
+
+def pack_decoder(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int, eps: float) -> DecoderWeights:
+    "Check a stack of layers against one shape (hidden C, H heads and KVH KV heads of head_dim D, intermediate I) and table their addresses."
+    if not layers: raise ValueError('pack_decoder: no layers')
+    C, H, KVH, D = layers[0].input_norm.shape[0], num_heads, num_kv_heads, head_dim
+    I = layers[0].gate_up.out_features // 2
+    if H % KVH or C % 8 or D % 16 or I % 8:
+        raise ValueError(f'pack_decoder: needs H % KVH == 0, hidden % 8 == 0, head_dim % 16 == 0 and intermediate % 8 == 0; '
+                         f'got H={H}, KVH={KVH}, hidden={C}, head_dim={D}, intermediate={I}')
+    rows = []
+    for i, w in enumerate(layers):
+        for name, p, k, n in (('qkv', w.qkv, C, (H + 2 * KVH) * D), ('o', w.o, H * D, C), ('gate_up', w.gate_up, C, 2 * I), ('down', w.down, I, C)):
+            if (p.in_features, p.out_features) != (k, n):
+                raise ValueError(f'pack_decoder: layer {i} {name} maps {p.in_features} -> {p.out_features}, expected {k} -> {n}')
+        rows.append([_vector(f'layer {i} input_norm', w.input_norm, C), w.qkv.data.data_ptr(),
+                     _vector(f'layer {i} qkv_bias', w.qkv_bias, (H + 2 * KVH) * D, True), w.o.data.data_ptr(),
+                     _vector(f'layer {i} o_bias', w.o_bias, C, True), _vector(f'layer {i} post_norm', w.post_norm, C),
+                     w.gate_up.data.data_ptr(), w.down.data.data_ptr()])
+    return DecoderWeights(torch.tensor(rows, dtype=torch.int64), tuple(layers), H, KVH, D, I, float(eps))
+
+def decode_layers_cpu(weights: DecoderWeights,
+                      hidden: torch.Tensor,      # [T, C] fp32: the step's embeddings, one token a request
+                      positions: torch.Tensor,   # [T] int64: their positions
+                      cos_sin: torch.Tensor,     # [max_positions, D] fp32: the rotary table (cos | sin)
+                      plan: PagedAttention,      # the step's attention: T query rows
+                      k_cache: torch.Tensor,     # [L, num_slots, KVH, D] fp32, contiguous: every layer's keys
+                      v_cache: torch.Tensor,     # same: values
+                      new_slots: torch.Tensor,   # [T] int64: where the tokens' keys and values go
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    "Every decoder layer of a decode step in one C call: the last layer's output and the residual stream, each `[T, C]`."
+    lib = cpu_kernels()
+    if lib is None: raise RuntimeError('decode_layers_cpu: the C kernels are not available here (see cpu_kernels)')
+    L, H, KVH, D, I = weights.table.shape[0], weights.num_heads, weights.num_kv_heads, weights.head_dim, weights.intermediate_size
+    T, C = hidden.shape if hidden.dim() == 2 else (-1, -1)
+    if hidden.dim() != 2 or C != weights.layers[0].input_norm.shape[0] or hidden.dtype != _F32 or hidden.device.type != 'cpu':
+        raise ValueError(f'decode_layers_cpu: hidden must be a [T, {weights.layers[0].input_norm.shape[0]}] fp32 CPU tensor, got {tuple(hidden.shape)} {hidden.dtype}')
+    if T != plan.n: raise ValueError(f'decode_layers_cpu: {T} tokens for a plan of {plan.n} query rows')
+    for name, t in (('positions', positions), ('new_slots', new_slots)):
+        if t.dtype != torch.int64 or t.shape != (T,) or not t.is_contiguous() or t.device.type != 'cpu':
+            raise ValueError(f'decode_layers_cpu: {name} must be a contiguous int64 CPU tensor of shape ({T},)')
+    if cos_sin.dtype != _F32 or cos_sin.dim() != 2 or cos_sin.shape[1] != D or not cos_sin.is_contiguous():
+        raise ValueError(f'decode_layers_cpu: cos_sin must be a contiguous fp32 [positions, {D}] tensor')
+    if T and (int(positions.min()) < 0 or int(positions.max()) >= cos_sin.shape[0]):
+        raise ValueError(f'decode_layers_cpu: positions must be in [0, {cos_sin.shape[0]}) (the rotary table)')
+    for name, t in (('k_cache', k_cache), ('v_cache', v_cache)):
+        if t.dtype != _F32 or t.dim() != 4 or t.shape[0] != L or t.shape[2:] != (KVH, D) or not t.is_contiguous() or t.device.type != 'cpu':
+            raise ValueError(f'decode_layers_cpu: {name} must be a contiguous fp32 CPU tensor [{L}, slots, {KVH}, {D}], got {tuple(t.shape)} {t.dtype}')
+    if v_cache.shape != k_cache.shape: raise ValueError('decode_layers_cpu: k_cache and v_cache must have one shape')
+    hidden, residual = hidden.contiguous().clone(), torch.empty(T, C)
+    if T == 0: return hidden, residual
+    work = torch.empty(T * (C + (H + 2 * KVH) * D + H * D + 3 * I))
+    scratch = plan.scratch(H, KVH)
+    err = lib.decode_layers_f32(T, L, C, H, KVH, D, I, weights.eps, weights.table.data_ptr(), hidden.data_ptr(), residual.data_ptr(),
+                                positions.data_ptr(), cos_sin.data_ptr(), cos_sin.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                k_cache.stride(0), k_cache.shape[1], new_slots.data_ptr(), plan.page_table.data_ptr(),
+                                plan.page_table.shape[0], plan.width, plan.rows.data_ptr(), plan.lens.data_ptr(), plan.order.data_ptr(),
+                                plan.starts.data_ptr(), plan.shared.data_ptr(), plan.shared.shape[0], plan.page_size, scale,
+                                scratch.data_ptr(), scratch.stride(0), work.data_ptr(), plan.threads)
+    plan.check(err, k_cache.shape[1], new_slots)
+    return hidden, residual

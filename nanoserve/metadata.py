@@ -156,6 +156,11 @@ class TorchAttentionBackend(AttentionBackend):
         picked = set(pick)
         self._torch_rows = [(rows[i], prefix[i], extend[i], starts[i]) for i in range(len(extend)) if i not in picked]
 
+    def cpu_decode_step(self) -> tuple | None:
+        "For a model that runs a decode step's layers in one C call (chapter 06a's `decode_layers_cpu`): the step's plan, the pools, the new tokens' slots and the scale; None when the C kernel does not attend this step."
+        if not (self.use_cpu_kernel and self.meta.phase == 'decode'): return None
+        return self._plan, self.k_cache, self.v_cache, self.meta.out_loc, self.scale
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         "Store `k`, `v` `[T, KVH, D]` for `layer`, then attend with `q` `[T, H, D]`; returns `[T, H, D]`."
         m, kc, vc = self.meta, self.k_cache[layer], self.v_cache[layer]

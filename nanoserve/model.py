@@ -16,7 +16,8 @@ from torch import nn
 
 from .config import ModelConfig
 from .kernels import rms_norm, rms_norm_ref, rope, rope_cos_sin_cache, rope_ref, silu_and_mul, silu_and_mul_ref
-from .cpu_kernels import cpu_kernels, linear_cpu, pack_panels, rms_norm_cpu, rope_cpu, silu_and_mul_cpu
+from .cpu_kernels import (DecoderWeights, LayerWeights, cpu_kernels, decode_layers_cpu, linear_cpu, pack_decoder, pack_panels,
+                                   rms_norm_cpu, rope_cpu, silu_and_mul_cpu)
 
 # %% auto #0
 __all__ = ['TORCH_OPS', 'TRITON_OPS', 'CPU_OPS', 'AttentionFn', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'Ops',
@@ -83,11 +84,15 @@ def pack_cpu_weights(model: nn.Module) -> int:
     if cpu_kernels() is None: return 0
     n = 0
     for w in _cpu_linears(model): w.cpu_panels = pack_panels(w); n += 1
+    for m in model.modules():                       # a decoder's layers also for its one-call decode step (below)
+        if hasattr(m, 'pack_cpu_decoder'): m.cpu_decoder = m.pack_cpu_decoder()
     return n
 
 def unpack_cpu_weights(model: nn.Module):
     "Drop the panels (before the weights change)."
     for p in model.parameters(): p.__dict__.pop('cpu_panels', None)
+    for m in model.modules():
+        if hasattr(m, 'cpu_decoder'): m.cpu_decoder = None
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(x)
@@ -324,11 +329,39 @@ class DecoderModel(nn.Module):
         rotary = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(config, i, rotary, tp_rank, tp_size) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.cpu_decoder: DecoderWeights | None = None     # the layers for chapter 06a's one-call decode step (pack_cpu_weights)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers: hidden, residual = layer(positions, hidden, residual, attn)
+        step = self._cpu_decode_step(attn)
+        if step is not None:                     # every layer in one C call: the same kernels, the same result
+            hidden, residual = decode_layers_cpu(self.cpu_decoder, hidden, positions, self.layers[0].self_attn.rotary.cos_sin, *step)
+        else:
+            for layer in self.layers: hidden, residual = layer(positions, hidden, residual, attn)
         return self.norm(hidden, residual)[0]
+
+    def _cpu_decode_step(self, attn: AttentionFn) -> tuple | None:
+        "What `decode_layers_cpu` needs of the backend, when this step can run that way: layers packed, the C ops chosen, a decode step the C kernel attends."
+        if self.cpu_decoder is None or self.layers[0].mlp.ops is not CPU_OPS: return None
+        step = getattr(attn, 'cpu_decode_step', None)   # (plan, k_cache, v_cache, new_slots, scale), or None
+        return step() if step is not None else None
+
+    def pack_cpu_decoder(self) -> DecoderWeights | None:
+        "The layers as `decode_layers_cpu` takes them, if it can run them: one rank, no q/k norm, every linear weight packed, C ops' shapes."
+        a0, cfg = self.layers[0].self_attn, self.layers[0]
+        H, KVH, D, C = a0.num_local_heads, a0.num_local_kv_heads, a0.head_dim, cfg.input_layernorm.weight.shape[0]
+        I = cfg.mlp.gate_up_proj.weight.shape[0] // 2
+        if a0.qkv_proj.tp_size > 1 or a0.q_norm is not None or C % 8 or D % 16 or I % 8: return None
+        if len({m.eps for m in self.modules() if isinstance(m, RMSNorm)}) != 1: return None
+        layers = []
+        for layer in self.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            panels = [getattr(m.weight, 'cpu_panels', None) for m in (at.qkv_proj, at.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(p is None for p in panels) or any(w.dtype != torch.float32 or w.device.type != 'cpu' for w in norms): return None
+            layers.append(LayerWeights(norms[0].data, panels[0], None if at.qkv_proj.bias is None else at.qkv_proj.bias.data, panels[1],
+                                       None if at.o_proj.bias is None else at.o_proj.bias.data, norms[1].data, panels[2], panels[3]))
+        return pack_decoder(layers, H, KVH, D, self.norm.eps)
 
 class DecoderForCausalLM(nn.Module):
     "A Llama / Qwen2 / Qwen3 decoder for one tensor-parallel rank: hidden states from tokens, logits from chosen rows."

@@ -3,7 +3,8 @@
 
 One engine (SmolLM2-135M-Instruct, fp32, plain loop) holds a steady decode batch of requests with contexts of
 32-512 tokens; the variants below are switched on and off by patching the engine in place, and alternated step
-by step so that the machine's noise hits them alike. Prints the median step time of each, and its ratio to
+by step so that the machine's noise hits them alike. 'all on' runs a step's layers in one C call (chapter 06a's
+`decode_layers_cpu`); every other variant runs them through the modules, the second with nothing else changed. Prints the median step time of each, and its ratio to
 everything on:
 
     python scripts/cpu_ablations.py [BATCH]      # default 32
@@ -21,7 +22,7 @@ from nanoserve.cli import smollm2_path
 from nanoserve.llm import make_engine
 from nanoserve.req import SamplingParams
 
-VARIANTS = ['all on', 'gather + SDPA attention (no C kernel)', 'torch small ops (no C ops)', 'oneDNN linear (packed weights)',
+VARIANTS = ['all on', 'layers through the modules (no one-call step)', 'gather + SDPA attention (no C kernel)', 'torch small ops (no C ops)', 'oneDNN linear (packed weights)',
             'MKL linear (F.linear)']
 C_LINEAR = M.linear
 
@@ -51,8 +52,9 @@ def main(batch: int = 32, rounds: int = 6):
     while sched.waiting or sched.prefilling: engine.step()
     engine.step()
     model, backend = engine.worker.model, engine.worker.backend
-    linears = linear_switch(model)
+    linears, decoder = linear_switch(model), model.model.cpu_decoder
     def use(name):
+        model.model.cpu_decoder = decoder if name == 'all on' else None    # the others run the layers through the modules
         linears('MKL' if name.startswith('MKL') else 'oneDNN' if name.startswith('oneDNN') else 'C')
         backend.use_cpu_kernel = name != 'gather + SDPA attention (no C kernel)'
         model.use_ops(M.TORCH_OPS if name == 'torch small ops (no C ops)' else M.CPU_OPS)
@@ -65,7 +67,7 @@ def main(batch: int = 32, rounds: int = 6):
     print(f'decode batch {batch}, contexts 32-512; median ms per step over {rounds} steps each, variants interleaved')
     for name in VARIANTS:
         t = statistics.median(times[name])
-        print(f'{name:40s} {1e3 * t:7.1f} ms  x{t / base:.2f}')
+        print(f'{name:48s} {1e3 * t:7.1f} ms  x{t / base:.2f}')
 
 def prefill(rounds: int = 3):
     engine = make_engine(EngineConfig(model=str(smollm2_path()), enable_overlap=False, enable_prefix_caching=False))
