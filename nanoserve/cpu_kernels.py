@@ -304,7 +304,7 @@ void silu_and_mul_f32(const float *x, int64_t sx, float *out, int64_t T, int I, 
 
 /* R (1-4) rows of y, the nc (<= NR) columns of one panel: y[r, c] = x[r] . w[c] over K, the panel laid out [K][NR]
    (the NR columns of each k side by side). While at it, prefetch `lines` cache lines (16 floats each) from pf: one
-   every `every` k, or two a k when every is 0. */
+   every `every` k, or, when every is 0 (a single tile: pf is a whole panel), the NR floats of each k. */
 INLINE void gemm_tile(const float *x, int64_t sx, const float *w, const float *bias, float *y, int64_t sy, int K, int R,
                       int nc, const float *pf, int lines, int every) {
     v8 c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0},
@@ -314,7 +314,7 @@ INLINE void gemm_tile(const float *x, int64_t sx, const float *w, const float *b
     for (int k = 0; k < K; k++) {
         const float *wk = w + (int64_t)k * NR;
         if (lines) {             /* (tested this way, the loop is compiled once with and once without prefetching) */
-            if (!every) { if (2 * k < lines) { __builtin_prefetch(pf + 32 * k, 0, 3); __builtin_prefetch(pf + 32 * k + 16, 0, 3); } }
+            if (!every) { __builtin_prefetch(pf + k * NR, 0, 3); __builtin_prefetch(pf + k * NR + 16, 0, 3); }
             else if (--due == 0) { due = every; if (done < lines) __builtin_prefetch(pf + 16 * done++, 0, 3); }
         }
         const v8 b0 = LD(wk), b1 = LD(wk + 8), b2 = LD(wk + 16);
