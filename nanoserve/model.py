@@ -16,8 +16,8 @@ from torch import nn
 
 from .config import ModelConfig
 from .kernels import rms_norm, rms_norm_ref, rope, rope_cos_sin_cache, rope_ref, silu_and_mul, silu_and_mul_ref
-from .cpu_kernels import (DecoderWeights, LayerWeights, cpu_kernels, decode_layers_cpu, linear_cpu, pack_decoder, pack_panels,
-                                   rms_norm_cpu, rope_cpu, silu_and_mul_cpu)
+from .cpu_kernels import (DecoderWeights, LayerWeights, cpu_kernels, decode_layers_cpu, linear_cpu, pack_decoder,
+    pack_panels, rms_norm_cpu, rope_cpu, silu_and_mul_cpu)
 
 # %% auto #0
 __all__ = ['TORCH_OPS', 'TRITON_OPS', 'CPU_OPS', 'AttentionFn', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'Ops',
@@ -348,9 +348,10 @@ class DecoderModel(nn.Module):
 
     def pack_cpu_decoder(self) -> DecoderWeights | None:
         "The layers as `decode_layers_cpu` takes them, if it can run them: one rank, no q/k norm, every linear weight packed, C ops' shapes."
-        a0, cfg = self.layers[0].self_attn, self.layers[0]
-        H, KVH, D, C = a0.num_local_heads, a0.num_local_kv_heads, a0.head_dim, cfg.input_layernorm.weight.shape[0]
-        I = cfg.mlp.gate_up_proj.weight.shape[0] // 2
+        first = self.layers[0]
+        a0 = first.self_attn
+        H, KVH, D, C = a0.num_local_heads, a0.num_local_kv_heads, a0.head_dim, first.input_layernorm.weight.shape[0]
+        I = first.mlp.gate_up_proj.weight.shape[0] // 2
         if a0.qkv_proj.tp_size > 1 or a0.q_norm is not None or C % 8 or D % 16 or I % 8: return None
         if len({m.eps for m in self.modules() if isinstance(m, RMSNorm)}) != 1: return None
         layers = []
