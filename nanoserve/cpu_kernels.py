@@ -184,10 +184,10 @@ INLINE void attend_block(const float *q, int64_t q_stride, const float *k, const
 /* out[i] = attention of query row i (q + i * q_stride, [H, D]) over positions [0, lens[i]) of page-table row rows[i].
    The rows are taken in blocks: block b is rows order[starts[b] .. starts[b + 1]), at most 16, which share the slots of
    positions [0, shared[b]). k, v: one layer's pool [slots, KVH, D]; page_table: [num_rows, width] int32 slot ids;
-   scratch: `threads` rows of scratch_stride floats, at least 16 * (H / KVH) * width rounded up to 8 (all H heads of
-   the largest block, when that is more, let a thread read each slot for all KV heads at once). With num_new > 0, the keys and values of num_new new tokens
-   (k_new, v_new: rows of KVH * D floats, k_new_stride and v_new_stride apart) are first written to the pool's slots
-   new_slots[i] (the step's KV store), so the rows can attend to them. Returns 0, or -1 for a length outside [1, width],
+   scratch: `threads` rows of scratch_stride floats, at least 16 * (H / KVH) * width (width rounded up to 8); with
+   room for all H heads of the largest block, a thread reads each slot for all KV heads at once. With num_new > 0,
+   the keys and values of num_new new tokens (k_new, v_new: rows of KVH * D floats, k_new_stride and v_new_stride
+   apart) are first written to the pool's slots new_slots[i] (the step's KV store), so the rows can attend to them. Returns 0, or -1 for a length outside [1, width],
    -2 for a row outside [0, num_rows), -3 for bad blocks (one empty or over 16 rows, a row in none or two, a shared
    part past a row's length), -4 when out of memory, -5 for a new slot outside [0, num_slots). */
 int paged_attention_f32(const float *q, int64_t q_stride, float *k, float *v, const int32_t *page_table,
@@ -313,7 +313,7 @@ INLINE void gemm_tile(const float *x, int64_t sx, const float *w, const float *b
     int due = 1, done = 0;
     for (int k = 0; k < K; k++) {
         const float *wk = w + (int64_t)k * NR;
-        if (lines) {             /* (tested this way, the loop is compiled once with and once without prefetching) */
+        if (lines) {             /* (in this order: testing done < lines first made the loop 7-10% slower) */
             if (!every) { __builtin_prefetch(pf + k * NR, 0, 3); __builtin_prefetch(pf + k * NR + 16, 0, 3); }
             else if (--due == 0) { due = every; if (done < lines) __builtin_prefetch(pf + 16 * done++, 0, 3); }
         }
@@ -360,7 +360,7 @@ void linear_f32(const float *x, int64_t sx, const float *w, const float *bias, f
                 float *yp = y + p * NR;
                 for (int64_t i = m0, first = 0; i < m1; i += 4, first += share) {
                     const int n = p + 1 < p1 && first < lines ? (share < lines - first ? share : (int)(lines - first)) : 0;
-                    const float *xi = x + i * sx, *pf = next + first * 16; float *yi = yp + i * sy;
+                    const float *xi = x + i * sx, *pf = n ? next + first * 16 : next; float *yi = yp + i * sy;
                     switch (m1 - i < 4 ? m1 - i : 4) {
                         case 4: gemm_tile(xi, sx, wp, bp, yi, sy, K, 4, nc, pf, n, every); break;
                         case 3: gemm_tile(xi, sx, wp, bp, yi, sy, K, 3, nc, pf, n, every); break;
