@@ -297,7 +297,7 @@ def scheduler_overhead(batch_size: int = 256, steps: int = 32, prompt_len: int =
     max_len = prompt_len + steps + 8
     table = PageTable(batch_size, max_len, PageAllocator(batch_size * -(-max_len // page_size) + 1, page_size))
     runner = FakeRunner(table, vocab_size=1000)
-    sched = Scheduler(table, runner, max_prefill_tokens=batch_size * prompt_len, max_model_len=max_len,
+    sched = Scheduler(table, runner, max_num_batched_tokens=batch_size * prompt_len, max_model_len=max_len,
                       enable_prefix_caching=enable_prefix_caching)
     sp = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
     for i in range(batch_size): sched.add_request(i, [rng.randrange(1000) for _ in range(prompt_len)], sp)

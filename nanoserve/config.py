@@ -12,11 +12,13 @@ from typing import Any
 import torch
 
 # %% auto #0
-__all__ = ['ARCHITECTURES', 'ROPE_TYPES', 'ModelConfig', 'EngineConfig', 'resolve_device', 'resolve_dtype']
+__all__ = ['ARCHITECTURES', 'ROPE_TYPES', 'BATCH_POLICIES', 'ModelConfig', 'EngineConfig', 'resolve_device',
+           'default_num_batched_tokens', 'resolve_dtype']
 
 # %% ../nbs/00_config.ipynb #5e626a7f
 ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2', 'Qwen3ForCausalLM': 'qwen3'}
 ROPE_TYPES = ('default', 'linear', 'llama3')
+BATCH_POLICIES = ('mixed', 'prefill-first', 'decode-first')   # how a step is filled (chapter 05)
 _DTYPES = {'float32': torch.float32, 'float': torch.float32, 'bfloat16': torch.bfloat16,
            'float16': torch.float16, 'half': torch.float16}
 
@@ -123,7 +125,8 @@ class EngineConfig:
     kv_cache_memory_gb: float = 2.0      # KV pool size on a CPU, when `num_pages` is None
     max_model_len: int | None = None     # longest prompt + output; None: the model's maximum
     max_running_requests: int = 256      # page-table rows: the most requests in flight
-    max_prefill_tokens: int = 8192       # prefill token budget per step (chunk size)
+    max_num_batched_tokens: int | None = None  # positions a step computes, decodes first; None: the device's default
+    batch_policy: str = 'mixed'          # 'mixed', 'prefill-first' or 'decode-first' (chapter 05)
     decode_reserve_ratio: float = 0.5    # fraction of running requests' remaining tokens held back at admission
     enable_prefix_caching: bool = True   # share KV of common prefixes through the radix cache
     attention_backend: str = 'auto'      # 'auto', 'torch' or 'triton'
@@ -136,14 +139,15 @@ class EngineConfig:
         if self.dtype not in ('auto', *_DTYPES): bad('dtype', f"must be 'auto' or one of {', '.join(_DTYPES)}")
         if not (self.device in ('auto', 'cpu', 'cuda') or (self.device.startswith('cuda:') and self.device[5:].isdigit())):
             bad('device', "must be 'auto', 'cpu', 'cuda' or 'cuda:N'")
-        for name in ('tensor_parallel_size', 'page_size', 'max_running_requests', 'max_prefill_tokens'):
+        for name in ('tensor_parallel_size', 'page_size', 'max_running_requests'):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1: bad(name, 'must be an integer >= 1')
-        for name in ('num_pages', 'max_model_len'):
+        for name in ('num_pages', 'max_model_len', 'max_num_batched_tokens'):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1): bad(name, 'must be None or an integer >= 1')
         if not 0 < self.gpu_memory_utilization <= 1: bad('gpu_memory_utilization', 'must be in (0, 1]')
         if not self.kv_cache_memory_gb > 0: bad('kv_cache_memory_gb', 'must be > 0')
         if not 0 < self.decode_reserve_ratio <= 1: bad('decode_reserve_ratio', 'must be in (0, 1]')
+        if self.batch_policy not in BATCH_POLICIES: bad('batch_policy', f"must be one of {', '.join(BATCH_POLICIES)}")
         if self.attention_backend not in ('auto', 'torch', 'triton'): bad('attention_backend', "must be 'auto', 'torch' or 'triton'")
         if not isinstance(self.cuda_graph_max_bs, int) or self.cuda_graph_max_bs < 0: bad('cuda_graph_max_bs', 'must be an integer >= 0')
         if not isinstance(self.seed, int): bad('seed', 'must be an integer')
@@ -163,6 +167,10 @@ def resolve_device(device: str = 'auto') -> torch.device:
     if device.startswith('cuda') and not torch.cuda.is_available():
         raise ValueError(f'device: {device!r} was asked for, but torch sees no CUDA device')
     return torch.device(device)
+
+def default_num_batched_tokens(device: torch.device) -> int:
+    "The step token budget when `max_num_batched_tokens` is None: small on a CPU, large on a GPU (chapter 15)."
+    return 256 if device.type == 'cpu' else 8192
 
 def resolve_dtype(dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     "The compute dtype: `dtype` itself, or for 'auto' fp32 on a CPU and half precision on a GPU."

@@ -9,17 +9,18 @@ from pathlib import Path
 from typing import Sequence
 import torch
 import torch.distributed as dist
-from .config import EngineConfig, ModelConfig, resolve_device, resolve_dtype
+from .config import EngineConfig, ModelConfig, default_num_batched_tokens, resolve_device, resolve_dtype
 from .req import Batch, Req, SamplingParams
 from .pages import PageAllocator, PageTable
-from .scheduler import Scheduler
+from .scheduler import ModelRunner, Scheduler, StepOutput
 from .model import CPU_OPS, TORCH_OPS, TRITON_OPS, load_model, resolve_model_path
 from .metadata import GraphRunner, build_metadata, make_attention_backend
 from .cpu_kernels import zeros_huge
-from .sampling import Sampler, SamplingBatch
+from .sampling import SampleOutput, Sampler, SamplingBatch
 
 # %% auto #0
-__all__ = ['local_kv_heads', 'kv_bytes_per_page', 'num_kv_pages', 'Worker', 'Engine', 'save_tiny_model']
+__all__ = ['local_kv_heads', 'kv_bytes_per_page', 'num_kv_pages', 'step_output', 'Worker', 'make_scheduler', 'Engine',
+           'save_tiny_model']
 
 # %% ../nbs/10_engine.ipynb #7052e94c
 def local_kv_heads(config: ModelConfig, tp_size: int = 1) -> int:
@@ -44,6 +45,15 @@ def num_kv_pages(engine: EngineConfig, config: ModelConfig, dtype: torch.dtype, 
         raise ValueError(f'kv cache: no memory left for one KV page of {per_page} bytes; '
                          f'raise gpu_memory_utilization / kv_cache_memory_gb or set num_pages')
     return pages
+
+# %% ../nbs/10_engine.ipynb #3c1d7e21
+def step_output(batch: Batch, out: SampleOutput | None, tokens: list[int]) -> StepOutput:
+    "The scheduler's view of a sampled step: `tokens` (on the host) and the logprobs asked for, spread over the batch."
+    output = StepOutput([-1] * batch.size, [None] * batch.size)
+    if out is None: return output
+    for i, token, logprobs in zip(batch.sample_rows, tokens, out.host_logprobs()):
+        output.tokens[i], output.logprobs[i] = token, logprobs
+    return output
 
 # %% ../nbs/10_engine.ipynb #860e6be9
 class Worker:
@@ -82,9 +92,10 @@ class Worker:
         self.vocab_size = mc.vocab_size
 
     @torch.inference_mode()
-    def forward(self, batch: Batch) -> list[int]:
-        "Run a launched batch; one token per request (-1 where it samples nothing)."
-        return self.sample(batch, self.compute_logits(batch))
+    def forward(self, batch: Batch) -> StepOutput:
+        "Run a launched batch: a token per request (-1 where it samples nothing), with the logprobs each asked for."
+        out = self.sample(batch, self.compute_logits(batch))
+        return step_output(batch, out, out.tokens.tolist() if out is not None else [])
 
     @torch.inference_mode()
     def compute_logits(self, batch: Batch) -> torch.Tensor | None:
@@ -94,22 +105,18 @@ class Worker:
             return self.graphs.replay(meta)
         self.backend.prepare(meta)
         hidden = self.model(meta.input_ids, meta.positions, self.backend)
-        rows = [i for i, s in enumerate(batch.samples) if s]
+        rows = batch.sample_rows
         return self.model.compute_logits(hidden[meta.last_indices[rows]]) if rows else None
 
     @torch.inference_mode()
-    def sample(self, batch: Batch, logits: torch.Tensor | None) -> list[int]:
-        "One token per request from the logits of those that sample, -1 for the others. (Only TP rank 0 samples.)"
-        tokens = [-1] * batch.size
-        if logits is None: return tokens
-        rows = [i for i, s in enumerate(batch.samples) if s]
-        reqs = [batch.reqs[i] for i in rows]
-        out = self.sampler.sample(logits, SamplingBatch.from_reqs(reqs, logits.shape[-1], self.device, self.model_config.eos_token_ids))
+    def sample(self, batch: Batch, logits: torch.Tensor | None) -> SampleOutput | None:
+        "Sample the requests that sample, and write their tokens into the token pool, on the device. (Only TP rank 0.)"
+        if logits is None: return None
+        reqs = [batch.reqs[i] for i in batch.sample_rows]
+        params = SamplingBatch.from_reqs(reqs, logits.shape[-1], self.device, self.model_config.eos_token_ids, self.table.tokens)
+        out = self.sampler.sample(logits, params)
         self.write_tokens(reqs, out.tokens)
-        for i, r, t, lp in zip(rows, reqs, out.tokens.tolist(), out.host_logprobs()):
-            tokens[i] = t
-            if lp is not None: r.output_logprobs.append(lp)
-        return tokens
+        return out
 
     def write_tokens(self, reqs: list[Req], tokens: torch.Tensor):
         "Put sampled tokens into the token pool, at the position each launch reserved (`device_len - 1`), on the device."
@@ -118,6 +125,12 @@ class Worker:
         self.table.tokens[rows, cols] = tokens.to(self.table.tokens.dtype)
 
 # %% ../nbs/10_engine.ipynb #9127f3dd
+def make_scheduler(config: EngineConfig, worker: Worker, runner: ModelRunner) -> Scheduler:
+    "The scheduler over `worker`'s page table, with the engine's knobs; `runner` computes its batches."
+    budget = config.max_num_batched_tokens or default_num_batched_tokens(worker.device)
+    return Scheduler(worker.table, runner, budget, worker.max_model_len, config.decode_reserve_ratio,
+                     config.enable_prefix_caching, worker.model_config.eos_token_ids, config.batch_policy)
+
 class Engine:
     "The worker and the scheduler in one process, stepped in a plain loop."
     def __init__(self, config: EngineConfig | None = None, **kwargs):
@@ -125,9 +138,7 @@ class Engine:
         if self.config.tensor_parallel_size > 1: raise ValueError('tensor_parallel_size > 1 runs one process per rank: use nanoserve.tp.TPEngine')
         self.worker = Worker(self.config)
         self.model_config = self.worker.model_config
-        self.scheduler = Scheduler(self.worker.table, self.worker, self.config.max_prefill_tokens, self.worker.max_model_len,
-                                   self.config.decode_reserve_ratio, self.config.enable_prefix_caching,
-                                   self.model_config.eos_token_ids)
+        self.scheduler = make_scheduler(self.config, self.worker, self.worker)
         self.max_model_len = self.scheduler.max_model_len
 
     def add_request(self, uid, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Req:

@@ -20,7 +20,7 @@ __all__ = ['ATTENTION_BACKENDS', 'ForwardMeta', 'build_metadata', 'length_groups
 @dataclass
 class ForwardMeta:
     "Everything one forward pass needs to know about its batch, as device tensors."
-    phase: str                  # 'prefill' or 'decode'
+    phase: str                  # 'decode' (every request extends by one), or 'prefill' / 'mixed' (extends)
     input_ids: torch.Tensor     # int64 [T] token ids of the positions computed this step
     positions: torch.Tensor     # int64 [T]
     out_loc: torch.Tensor       # int64 [T] KV location each token writes to

@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 from .req import Batch, Req
-from .sampling import SampleOutput, SamplingBatch
-from .engine import Engine, Worker
+from .scheduler import StepOutput
+from .sampling import SampleOutput
+from .engine import Engine, Worker, step_output
 
 # %% auto #0
 __all__ = ['StepHandle', 'launch_step', 'OverlapEngine']
@@ -18,47 +19,31 @@ __all__ = ['StepHandle', 'launch_step', 'OverlapEngine']
 class StepHandle:
     "A launched step whose tokens may not have reached the host yet."
     batch: Batch
-    rows: list[int]                        # requests of the batch that sample
-    out: SampleOutput | None               # the sampler's device output
+    out: SampleOutput | None               # the sampler's device output; None if nothing samples
     host_tokens: torch.Tensor | None       # where the tokens land on the host
     done: torch.cuda.Event | None = None   # recorded after the device-to-host copy (CUDA only)
 
-    def tokens(self) -> list[int]:
-        "Wait for the step and return one token per request (-1 where it samples nothing); records logprobs."
-        tokens = [-1] * self.batch.size
-        if self.out is None: return tokens
+    def output(self) -> StepOutput:
+        "Wait for the step; its tokens and logprobs, one entry per request of the batch."
         if self.done is not None: self.done.synchronize()
-        reqs = [self.batch.reqs[i] for i in self.rows]
-        for i, r, t, lp in zip(self.rows, reqs, self.host_tokens.tolist(), self.out.host_logprobs()):
-            tokens[i] = t
-            if lp is not None: r.output_logprobs.append(lp)
-        return tokens
+        return step_output(self.batch, self.out, self.host_tokens.tolist() if self.out is not None else [])
 
 def launch_step(worker: Worker, batch: Batch, stream: torch.cuda.Stream | None = None) -> StepHandle:
     "Launch a batch's forward pass and sampling; return without waiting for the tokens."
-    if stream is not None: stream.wait_stream(torch.cuda.current_stream())    # see this step's table/pool copies
-    with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else _nullcontext()):
-        logits = worker.compute_logits(batch)
-        if logits is None: return StepHandle(batch, [], None, None)
-        rows = [i for i, s in enumerate(batch.samples) if s]
-        reqs = [batch.reqs[i] for i in rows]
-        out = worker.sampler.sample(logits, SamplingBatch.from_reqs(reqs, logits.shape[-1], worker.device, worker.model_config.eos_token_ids))
-        worker.write_tokens(reqs, out.tokens)
-        if stream is None: return StepHandle(batch, rows, out, out.tokens.cpu())
+    if stream is None:   # a CPU: the step runs now, and its tokens are on the host already
+        with torch.inference_mode(): out = worker.sample(batch, worker.compute_logits(batch))
+        return StepHandle(batch, out, out.tokens if out is not None else None)
+    stream.wait_stream(torch.cuda.current_stream())    # see this step's table/pool copies
+    with torch.inference_mode(), torch.cuda.stream(stream):
+        out = worker.sample(batch, worker.compute_logits(batch))
+        if out is None: return StepHandle(batch, None, None)
         host = torch.empty(out.tokens.shape, dtype=out.tokens.dtype, pin_memory=True)
         host.copy_(out.tokens, non_blocking=True)
-        done = torch.cuda.Event(); done.record(stream)
-    return StepHandle(batch, rows, out, host, done)
-
-class _nullcontext:
-    def __enter__(self): return self
-    def __exit__(self, *exc): return False
+        done = torch.cuda.Event()
+        done.record(stream)
+    return StepHandle(batch, out, host, done)
 
 # %% ../nbs/11_overlap.ipynb #391234eb
-def _penalised(batch: Batch) -> bool:
-    return any(r.sampling_params.repetition_penalty != 1.0 or r.sampling_params.frequency_penalty != 0.0
-               or r.sampling_params.presence_penalty != 0.0 for r in batch.reqs)
-
 class OverlapEngine(Engine):
     "The engine with scheduling overlapped with the forward pass: step N+1 is launched before step N is processed."
     def __init__(self, config=None, **kwargs):
@@ -71,16 +56,14 @@ class OverlapEngine(Engine):
 
     def _process_in_flight(self) -> list[Req]:
         handle, self._in_flight = self._in_flight, None
-        return self.scheduler.process(handle.batch, handle.tokens()) if handle is not None else []
+        return self.scheduler.process(handle.batch, handle.output()) if handle is not None else []
 
     def step(self) -> list[Req]:
         "Schedule and launch the next batch, then process the batch launched last time."
-        batch = self.scheduler.schedule()
-        out = []
-        if batch is not None and _penalised(batch): out = self._process_in_flight()   # penalties need every token on the host
+        batch = self.scheduler.schedule()   # None also when it must first see what the step in flight frees
         if batch is not None:
             self.scheduler.launch(batch)
             handle = launch_step(self.worker, batch, self.forward_stream)
-        out += self._process_in_flight()
+        out = self._process_in_flight()
         if batch is not None: self._in_flight = handle
         return out

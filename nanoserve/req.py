@@ -162,7 +162,7 @@ class Req:
 class Batch:
     "The requests of one forward pass, and the positions each one extends."
     reqs: list[Req]
-    phase: Literal['prefill', 'decode']
+    phase: Literal['prefill', 'decode', 'mixed']   # prompt chunks, decodes, or both
     extend_lens: list[int]              # new positions per request in this step
     start_lens: list[int] = field(default_factory=list)  # each request's cached_len before the launch
     samples: list[bool] = field(default_factory=list)    # whether each request samples a token this step
@@ -170,7 +170,7 @@ class Batch:
 
     def __post_init__(self):
         assert len(self.reqs) == len(self.extend_lens) > 0
-        assert self.phase == 'prefill' or all(n == 1 for n in self.extend_lens), 'a decode step extends each request by 1'
+        assert self.phase != 'decode' or all(n == 1 for n in self.extend_lens), 'a decode step extends each request by 1'
         if not self.start_lens: self.start_lens = [r.cached_len for r in self.reqs]
         if not self.samples: self.samples = [r.cached_len + n == r.device_len for r, n in zip(self.reqs, self.extend_lens)]
         if not self.epochs: self.epochs = [r.num_retractions for r in self.reqs]
@@ -180,6 +180,11 @@ class Batch:
 
     @property
     def num_tokens(self) -> int: return sum(self.extend_lens)
+
+    @property
+    def sample_rows(self) -> list[int]:
+        "Which requests of the batch sample a token this step (their logits rows, in order)."
+        return [i for i, sampled in enumerate(self.samples) if sampled]
 
     def launch(self):
         "Advance every request's lengths, as the step starts."

@@ -5,20 +5,26 @@
 # %% ../nbs/05_scheduler.ipynb #358ac213
 from __future__ import annotations
 from collections import deque
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, NamedTuple, Protocol, Sequence
 import torch
+from .config import BATCH_POLICIES
 from .req import Batch, FinishReason, Req, SamplingParams
 from .budget import PrefillBudget, admission_error, cdiv, pages_for, reserved_pages
 from .pages import PageAllocator, PageTable
 from .radix import RadixCache, RadixNode
 
 # %% auto #0
-__all__ = ['ModelRunner', 'FakeRunner', 'check_stop', 'Scheduler']
+__all__ = ['StepOutput', 'ModelRunner', 'FakeRunner', 'check_stop', 'Scheduler']
 
 # %% ../nbs/05_scheduler.ipynb #f805fba8
+class StepOutput(NamedTuple):
+    "What a runner returns for a launched batch: one token per request (-1 where it samples nothing), and per request the logprobs its sampler reported (None where none were asked for)."
+    tokens: Sequence[int]
+    logprobs: Sequence | None = None
+
 class ModelRunner(Protocol):
     "What the scheduler needs from a model: one sampled token per request of a launched batch."
-    def forward(self, batch: Batch) -> Sequence[int]: ...
+    def forward(self, batch: Batch) -> StepOutput: ...
 
 class FakeRunner:
     "A stand-in model whose 'KV' is the token id itself, read back through the page table; the next token hashes the context."
@@ -32,7 +38,7 @@ class FakeRunner:
         weights = torch.arange(1, len(context) + 1, dtype=torch.int64) % 13 + 1
         return int(((context * weights).sum() * 2654435761 + len(context)) % self.vocab_size)
 
-    def forward(self, batch: Batch) -> list[int]:
+    def forward(self, batch: Batch) -> StepOutput:
         "Compute a launched batch: input ids from the token pool, KV through the page table; sampled ids go back to the pool."
         tokens = []
         for req, start, n, sampled in zip(batch.reqs, batch.start_lens, batch.extend_lens, batch.samples):
@@ -44,7 +50,7 @@ class FakeRunner:
             if sampled: self.table.tokens[row, req.device_len - 1] = token
             tokens.append(token)
             self.num_tokens += n
-        return tokens
+        return StepOutput(tokens)
 
 # %% ../nbs/05_scheduler.ipynb #fda45de2
 def check_stop(req: Req, token: int,            # the token just appended with `req.append_token`
@@ -62,18 +68,22 @@ def check_stop(req: Req, token: int,            # the token just appended with `
 class Scheduler:
     "Admits, batches and finishes requests over a paged KV cache with an optional radix prefix cache."
     def __init__(self,
-                 table: PageTable,               # the page table, with its allocator
-                 runner: ModelRunner,            # computes a batch, returns one token per request
-                 max_prefill_tokens: int = 8192, # prefill token budget per step
-                 max_model_len: int = 4096,      # longest prompt + output (clamped to the KV capacity)
+                 table: PageTable,                   # the page table, with its allocator
+                 runner: ModelRunner,                # computes a batch, returns one token per request
+                 max_num_batched_tokens: int = 8192, # tokens one step computes: its decodes, then prefill chunks
+                 max_model_len: int = 4096,          # longest prompt + output (clamped to the KV capacity)
                  decode_reserve_ratio: float = 0.5,
                  enable_prefix_caching: bool = True,
-                 eos_token_ids: Iterable[int] = ()):
+                 eos_token_ids: Iterable[int] = (),
+                 batch_policy: str = 'mixed'):       # one of BATCH_POLICIES
+        if batch_policy not in BATCH_POLICIES:
+            raise ValueError(f"batch_policy must be one of {', '.join(BATCH_POLICIES)}, got {batch_policy!r}")
         self.table, self.runner, self.allocator = table, runner, table.allocator
         self.page_size = table.page_size
         self.capacity = self.allocator.num_pages * self.page_size
         self.max_model_len = min(max_model_len, self.capacity, table.max_len - 1)
-        self.max_prefill_tokens, self.ratio = max_prefill_tokens, decode_reserve_ratio
+        self.max_num_batched_tokens, self.ratio = max_num_batched_tokens, decode_reserve_ratio
+        self.batch_policy = batch_policy
         self.cache = RadixCache(self.allocator) if enable_prefix_caching else None
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Req] = deque()
@@ -93,7 +103,8 @@ class Scheduler:
         err = admission_error(len(prompt_ids), max(max_tokens, 1), self.max_model_len, self.capacity)
         if err: raise ValueError(err)
         req = Req(uid, prompt_ids, params, max_device_len=len(prompt_ids) + max_tokens)
-        self.waiting.append(req); self.reqs[uid] = req
+        self.waiting.append(req)
+        self.reqs[uid] = req
         return req
 
     def abort(self, uid) -> Req | None:
@@ -119,13 +130,29 @@ class Scheduler:
         batch.launch()
         self._launched += 1
         for req, sampled in zip(batch.reqs, batch.samples):
-            if batch.phase == 'prefill' and sampled:   # the prompt is fully prefilled: share it, then decode
-                self.prefilling.remove(req); self.running.append(req)
+            if sampled and req in self.prefilling:   # the prompt is fully prefilled: share it, then decode
+                self.prefilling.remove(req)
+                self.running.append(req)
                 self._cache_prefix(req)
 
     def schedule(self) -> Batch | None:
-        "Choose the next batch and give it pages: a prefill batch if any request can prefill, else a decode batch."
-        return self._schedule_prefill() or self._schedule_decode()
+        "The next batch, its pages given, by the batch policy; None if nothing can run now."
+        budget = self.max_num_batched_tokens
+        if self.batch_policy == 'prefill-first':
+            prefill = self._schedule_prefill(budget)
+            decode = self._schedule_decode() if not prefill else []
+        elif self.batch_policy == 'decode-first':
+            decode = self._schedule_decode()
+            prefill = self._schedule_prefill(budget) if decode == [] else []
+        else:   # mixed: every decode, then prompt chunks in what is left of the budget
+            retractions = self.num_retractions
+            decode = self._schedule_decode()
+            admit = decode is not None and self.num_retractions == retractions   # a step that retracts admits nothing
+            prefill = self._schedule_prefill(budget - len(decode)) if admit else []
+        if not decode and not prefill: return None
+        reqs = (decode or []) + [req for req, _ in prefill]
+        phase = 'mixed' if decode and prefill else 'decode' if decode else 'prefill'
+        return Batch(reqs, phase, [1] * len(decode or []) + [n for _, n in prefill])
 
     def _available_pages(self) -> int:
         return self.allocator.num_free + (self.cache.evictable_pages if self.cache else 0)
@@ -137,41 +164,48 @@ class Scheduler:
         if need > self.allocator.num_free and self.cache: self.cache.evict(need - self.allocator.num_free)
         self.table.allocate(req.table_idx, start, start + n, self.allocator.allocate(need))
 
-    def _schedule_prefill(self) -> Batch | None:
-        if not (self.waiting or self.prefilling): return None
-        budget = PrefillBudget(self.max_prefill_tokens, self.table.num_free_rows, 0,
-                               sum(reserved_pages(r, self.ratio, self.page_size) for r in self.prefilling + self.running),
+    def _schedule_prefill(self, token_budget: int) -> list[tuple[Req, int]]:
+        "Prompt chunks for this step, their pages given: chunked prompts resume first, then waiting requests in order."
+        if token_budget <= 0 or not (self.waiting or self.prefilling): return []
+        admitted = self.prefilling + self.running
+        budget = PrefillBudget(token_budget, self.table.num_free_rows, 0,
+                               sum(reserved_pages(r, self.ratio, self.page_size) for r in admitted),
                                self.page_size, self.ratio)
-        reqs, lens, pages = [], [], 0
+        chunks, pages = [], 0
         for req in self.prefilling:
             n = budget.resume(req)
             need = pages_for(req.cached_len, req.cached_len + n, self.page_size)
-            if n and pages + need <= self._available_pages(): reqs.append(req); lens.append(n); pages += need
+            if n and pages + need <= self._available_pages():
+                chunks.append((req, n))
+                pages += need
         deferred, windows = [], set()
         while self.waiting and budget.token_budget > 0:
             req = self.waiting[0]
             node, hit = self._match(req)
             window = self._uncached_window(req)
-            budget.available_pages = self._available_pages() - pages
+            budget.available_pages = self._available_pages()   # live: its own match is locked now
             n = 0 if window in windows else budget.admit(req)
             if n == 0:
                 if node is not None: self.cache.unlock(node)
                 req.cached_len = 0
                 if window is None or window not in windows: break
-                deferred.append(self.waiting.popleft()); continue   # wait one step, then hit what its batch-mate computed
+                deferred.append(self.waiting.popleft())   # wait one step, then hit what its batch-mate computed
+                continue
             if window is not None: windows.add(window)
             self.waiting.popleft()
             req.table_idx, req.cache_handle = self.table.alloc_row(), node
             if len(hit): self.table.write(req.table_idx, 0, hit)
             self.table.write_tokens(req.table_idx, 0, req.input_ids[:req.device_len])
             if req.num_retractions == 0:
-                req.num_cached_tokens = len(hit); self.prefix_queries += req.prompt_len; self.prefix_hits += len(hit)
-            self.prefilling.append(req); reqs.append(req); lens.append(n)
+                req.num_cached_tokens = len(hit)
+                self.prefix_queries += req.prompt_len
+                self.prefix_hits += len(hit)
+            self.prefilling.append(req)
+            chunks.append((req, n))
             pages += pages_for(req.cached_len, req.cached_len + n, self.page_size)
         self.waiting.extendleft(reversed(deferred))          # back at the head, in their order
-        if not reqs: return None
-        for req, n in zip(reqs, lens): self._allocate(req, n)
-        return Batch(reqs, 'prefill', lens)
+        for req, n in chunks: self._allocate(req, n)
+        return chunks
 
     def _uncached_window(self, req: Req) -> tuple | None:
         "What a request must compute first, past its cache hit: `(cached_len, next 32 tokens in whole pages)`, or None."
@@ -188,31 +222,34 @@ class Scheduler:
         req.cached_len = len(hit)
         return node, hit
 
-    def _schedule_decode(self) -> Batch | None:
+    def _schedule_decode(self) -> list[Req] | None:
+        "Every running request that can take a token, its next page given; None: wait for the step in flight."
         ps = self.page_size
         def ready(): return [r for r in self.running if r.device_len < r.max_device_len]   # others await their last token
         def crossing(reqs): return [r for r in reqs if r.cached_len % ps == 0]     # their next position opens a page
         reqs = ready()
-        while len(crossing(reqs)) > self._available_pages() and (len(reqs) > 1 or self.prefilling):
+        while len(crossing(reqs)) > self._available_pages():
+            if len(reqs) < len(self.running): return None   # those awaiting their last token free pages once it lands
             victim = self.prefilling[-1] if self.prefilling else reqs[-1]
             (self.prefilling if victim in self.prefilling else self.running).remove(victim)
             self._retract(victim)
             reqs = ready()
-        if not reqs: return None
         new = crossing(reqs)                      # one page each, written to the table at once
         if len(new) > self.allocator.num_free and self.cache: self.cache.evict(len(new) - self.allocator.num_free)
         self.table.allocate_pages([r.table_idx for r in new], [r.cached_len for r in new], self.allocator.allocate(len(new)))
-        return Batch(reqs, 'decode', [1] * len(reqs))
+        return reqs
 
     # -- results -------------------------------------------------------------------------------------------
-    def process(self, batch: Batch, tokens: Sequence[int]) -> list[Req]:
-        "Take a launched batch's tokens: append them, finish requests, free."
+    def process(self, batch: Batch, output: StepOutput) -> list[Req]:
+        "Take a launched batch's output: commit each token (and its logprobs), finish requests, free."
         self._processed += 1
         self._free_rows()
+        logprobs = output.logprobs if output.logprobs is not None else [None] * batch.size
         out = []
-        for req, sampled, epoch, token in zip(batch.reqs, batch.samples, batch.epochs, tokens):
+        for req, sampled, epoch, token, lp in zip(batch.reqs, batch.samples, batch.epochs, output.tokens, logprobs):
             if req.finished or not sampled or req.num_retractions != epoch: continue   # done, or retracted meanwhile
             req.append_token(token)
+            if lp is not None: req.output_logprobs.append(lp)
             out.append(req)
             reason = check_stop(req, int(token), self.eos_token_ids)
             if reason is not None: self._finish(req, reason)
@@ -292,7 +329,8 @@ class Scheduler:
         admitted = self.prefilling + self.running
         owned = self.allocator.free_pages() + [p for r in admitted for p in self._own_pages(r)]
         if self.cache is not None:
-            self.cache.check_integrity(); owned += self.cache.pages()
+            self.cache.check_integrity()
+            owned += self.cache.pages()
         assert sorted(owned) == list(range(self.allocator.num_pages)), 'a page is lost or owned twice'
         assert self.table.num_free_rows + len(admitted) + len(self._rows_to_free) == self.table.dummy_row, 'a request slot is lost'
         assert len({r.table_idx for r in admitted}) == len(admitted), 'two requests share a slot'

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from .config import EngineConfig, resolve_device
 from .req import Batch
 from .pages import PageTable
-from .scheduler import Scheduler
-from .engine import Engine, Worker
+from .scheduler import StepOutput
+from .engine import Engine, Worker, make_scheduler
 
 # %% auto #0
 __all__ = ['TPError', 'TPGroup', 'LocalRank', 'dead_ranks', 'init_distributed', 'StepMessage', 'PageTableMirror', 'Follower',
@@ -104,7 +104,7 @@ def init_distributed(device: str = 'auto',                 # the engine's device
 
 # %% ../nbs/12_tp.ipynb #9bbb89c2
 _STEP, _SHUTDOWN = 1, 2
-_PHASES = ('prefill', 'decode')
+_PHASES = ('prefill', 'decode', 'mixed')
 
 class _StepIds:
     "The token ids of one request's positions `[start, start + len(ids))`: all a follower knows of it, all the forward reads."
@@ -123,7 +123,7 @@ class _FollowerReq:
 @dataclass
 class StepMessage:
     "What rank 0 tells the other ranks before a step: the batch, and the page-table entries that changed."
-    phase: str                  # 'prefill' or 'decode'
+    phase: str                  # 'prefill', 'decode' or 'mixed'
     rows: list[int]             # page-table row of each request
     start_lens: list[int]       # positions cached before the step
     extend_lens: list[int]      # positions computed by the step
@@ -268,20 +268,20 @@ class TPLeader:
             f'tensor-parallel step failed on rank 0: {type(e).__name__}: {e}\n'
             f'(a rank died, or did not answer within {self.group.timeout_s} s); the ranks are out of step, close the engine')
 
-    def forward(self, batch: Batch) -> list[int]:
-        "Run a launched batch on every rank; rank 0's sampled tokens."
+    def forward(self, batch: Batch) -> StepOutput:
+        "Run a launched batch on every rank; rank 0's sampled tokens and logprobs."
         self.check()
         try:
             ends = [s + n for s, n in zip(batch.start_lens, batch.extend_lens)]
             msg = StepMessage.from_batch(batch, self.mirror.updates([r.table_idx for r in batch.reqs], ends))
             for t in msg.encode(): self._send(t)
-            tokens = self.worker.forward(batch)
-            self._send(torch.tensor(tokens, dtype=torch.int64))
+            output = self.worker.forward(batch)
+            self._send(torch.tensor(output.tokens, dtype=torch.int64))
         except Exception as e:
             self.error = self.failure(e)
             raise self.error from e
         self.num_steps += 1
-        return tokens
+        return output
 
     def shutdown(self):
         "Tell the followers to exit."
@@ -345,8 +345,7 @@ class TPEngine(Engine):
             if dead is not None: raise dead from e
             raise
         self.model_config = self.worker.model_config
-        self.scheduler = Scheduler(self.worker.table, self.leader, self.config.max_prefill_tokens, self.worker.max_model_len,
-                                   self.config.decode_reserve_ratio, self.config.enable_prefix_caching, self.model_config.eos_token_ids)
+        self.scheduler = make_scheduler(self.config, self.worker, self.leader)
         self.max_model_len = self.scheduler.max_model_len
 
     @property
