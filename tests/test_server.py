@@ -1,7 +1,7 @@
 """The OpenAI-compatible server, run for real (three processes, ZMQ, uvicorn) on a tiny model, driven by the official
 `openai` client: response shapes, greedy text equal to the offline `LLM`, a catalogue of bad requests, aborts on
 disconnect, clean shutdown and a dying worker. Loopback only; every wait is bounded."""
-import asyncio, json, os, signal, subprocess, sys, time
+import asyncio, contextlib, json, os, signal, subprocess, sys, time
 import httpx
 import openai
 import pytest
@@ -20,7 +20,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def server(model_dir):
-    s = ServerProcess(model_dir, served_model_name='tiny', **ENGINE).start()
+    s = ServerProcess(model_dir, served_model_name='tiny', debug_hooks=True, **ENGINE).start()   # hooks: see _slowed
     pids = httpx.get(s.url + '/debug/state').json()['pids']
     yield s
     code = s.stop(signal.SIGTERM)          # the shutdown a process manager does: clean, and nothing left behind
@@ -55,6 +55,14 @@ def _wait_idle(server, timeout: float = 20.0) -> dict:
         if s.get('running') == 0 and s.get('waiting') == 0 and st['open_requests'] == 0: return s
         time.sleep(0.05)
     raise AssertionError(f'server not idle after {timeout} s: {st}')
+
+@contextlib.contextmanager
+def _slowed(server, step_delay: float):
+    "The scheduler sleeps `step_delay` s before each engine step (a debug hook), for as long as the block runs."
+    r = httpx.post(server.url + '/debug/inject', json={'step_delay': step_delay}, timeout=10)
+    assert r.status_code == 200, r.text
+    try: yield
+    finally: httpx.post(server.url + '/debug/inject', json={'step_delay': 0.0}, timeout=10)
 
 def _greedy(llm, prompt, n=12, **kw):
     return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw), use_tqdm=False)[0].outputs[0]
@@ -259,12 +267,13 @@ def _kv_usage(server) -> float:
 def test_disconnect_mid_stream_aborts_and_frees_pages(server):
     before = _wait_idle(server)
     body = {'model': 'tiny', 'prompt': PROMPTS[0], 'max_tokens': 480, 'ignore_eos': True, 'temperature': 0, 'stream': True}
-    with httpx.stream('POST', server.url + '/v1/completions', json=body, timeout=30) as r:
-        lines = r.iter_lines()         # kept open: leaving the iterator early would close the connection
-        events = [next(l for l in lines if l.startswith('data: ')) for _ in range(3)]
-        mid = _state(server)['stats']
-        assert mid['running'] == 1 and mid['free_pages'] < before['free_pages']    # it holds pages while it runs
-    after = _wait_idle(server)                                                     # closing the stream aborted it
+    with _slowed(server, 0.05):        # 480 steps take >= 24 s, until the abort: it is still running when we look
+        with httpx.stream('POST', server.url + '/v1/completions', json=body, timeout=30) as r:
+            lines = r.iter_lines()     # kept open: leaving the iterator early would close the connection
+            events = [next(l for l in lines if l.startswith('data: ')) for _ in range(3)]
+            mid = _state(server)['stats']
+            assert mid['running'] == 1 and mid['free_pages'] < before['free_pages']    # it holds pages while it runs
+        after = _wait_idle(server)                                                     # closing the stream aborted it
     assert after['aborted'] == before['aborted'] + 1
     assert after['generated_tokens'] - before['generated_tokens'] < 480
     assert after['locked_pages'] == 0 and after['integrity'] == 'ok'
@@ -275,9 +284,10 @@ def test_disconnect_while_waiting_aborts(server):
     "A non-streaming client that gives up (a client-side timeout) aborts its request too."
     before = _wait_idle(server)
     body = {'model': 'tiny', 'prompt': PROMPTS[1], 'max_tokens': 480, 'ignore_eos': True, 'temperature': 0}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + '/v1/completions', json=body, timeout=httpx.Timeout(30, read=0.5))
-    after = _wait_idle(server)
+    with _slowed(server, 0.05):           # 480 steps take >= 24 s, until the abort: the 0.5 s timeout fires long before
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + '/v1/completions', json=body, timeout=httpx.Timeout(30, read=0.5))
+        after = _wait_idle(server)
     assert after['aborted'] == before['aborted'] + 1
     assert after['generated_tokens'] - before['generated_tokens'] < 480
     assert after['integrity'] == 'ok' and _kv_usage(server) == 0.0
