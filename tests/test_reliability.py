@@ -3,8 +3,9 @@ against the server's own OpenAPI schema), faults (dead workers, SIGTERM drain, a
 integrity check in both modes, and the determinism the server promises. Real servers (three processes, ZMQ,
 uvicorn) on a tiny model, loopback only; every wait is bounded.
 
-Three servers are started, to keep the CPU time low: `main` (the default overlapped engine), `kv` (a KV pool of
-96 token slots, the plain engine, integrity violations raise) and one whose tokenizer is killed. Tests that end a
+Four servers are started, to keep the CPU time low: `main` (the default overlapped engine), `kv` (a KV pool of
+96 token slots, the plain engine, integrity violations raise), one whose tokenizer is killed and one whose requests
+fail one at a time (a chat template that raises, an injected detokenizer failure). Tests that end a
 server run last on it (drain for `main`, the integrity crash for `kv`), so run the file in order.
 
 Size: `NANOSERVE_STRESS_REQUESTS` requests per storm (default 64, sized for two CPU cores; 256 for the full load)."""
@@ -537,3 +538,56 @@ def test_tokenizer_death(model_dir):
         assert _gone(s.pids['scheduler'])
     finally:
         s.stop(signal.SIGKILL)
+
+# The tiny model's toy chat template, which refuses one message with jinja's `raise_exception`.
+REFUSING_TEMPLATE = ("{% for m in messages %}{% if m['content'] == 'refuse me' %}{{ raise_exception('the template refuses this message') }}"
+                     "{% endif %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+def _read_stream(server, body: dict) -> tuple[int, list]:
+    "A streaming completion read to its end: the status and the events (JSON, or the string '[DONE]')."
+    with httpx.stream('POST', server.url + '/v1/completions', json={'model': 'tiny', 'stream': True, **body}, timeout=60) as r:
+        if r.status_code != 200: return r.status_code, [json.loads(r.read())]
+        return 200, [l[6:] if l == 'data: [DONE]' else json.loads(l[6:]) for l in r.iter_lines() if l.startswith('data: ')]
+
+def test_one_request_fails_alone(model_dir, ref):
+    """Requests that fail in the tokenizer process (a chat template that raises, a detokenizer failure) get their own error;
+    streams running beside them finish exactly, the failed ones are aborted in the scheduler, and the server serves on."""
+    s = _serve(model_dir, chat_template=REFUSING_TEMPLATE, **MAIN)
+    try:
+        before = _idle_and_whole(s)
+        _inject(s, step_delay=0.02)                                  # >= 20 ms a step: the streams below outlast the faults
+        streams, firsts, threads = [{} for _ in range(3)], [threading.Event() for _ in range(3)], []
+        for i, (out, first) in enumerate(zip(streams, firsts)):
+            threads.append(_sse_thread(s, dict(prompt=POOL[i], max_tokens=60, temperature=0), out, first))
+        assert all(e.wait(30) for e in firsts)
+        r = _post(s, '/v1/chat/completions', {'model': 'tiny', 'messages': [{'role': 'user', 'content': 'refuse me'}], 'max_tokens': 4})
+        assert r.status_code == 400, r.text                          # the template's error is the request's fault
+        err = _envelope(r)
+        assert err['param'] == 'messages' and 'the template refuses this message' in err['message'], err
+        _inject(s, fail_detokenize=3)                                # the next request fails once it has more than 3 tokens
+        status, events = _read_stream(s, dict(prompt=POOL[4], max_tokens=400, ignore_eos=True, temperature=0))
+        assert status == 200 and events[-1] == '[DONE]', events     # a stream that started: an error event, then [DONE]
+        streamed = ''.join(c['text'] for e in events[:-2] for c in e['choices'])
+        assert streamed and ref.text(POOL[4], 3).startswith(streamed), streamed   # its first tokens' text (a broken character waits)
+        err = events[-2]['error']
+        assert err['type'] == 'server_error' and 'detokeniz' in err['message'], err
+        _inject(s, fail_detokenize=0)                                # the next request fails at its first tokens
+        r = _post(s, '/v1/completions', {'model': 'tiny', 'prompt': POOL[5], 'max_tokens': 400, 'ignore_eos': True, 'n': 2})
+        assert r.status_code == 500 and 'detokeniz' in _envelope(r)['message'], r.text
+        for t in threads: t.join(60)
+        for i, out in enumerate(streams):                            # the streams beside them: exact, to the end
+            ev = [json.loads(e) for e in out['events'][:-1]]
+            assert out['events'][-1] == '[DONE]' and ev[-1]['usage']['completion_tokens'] == 60, out['events'][-3:]
+            assert ''.join(c['text'] for e in ev for c in e['choices']) == ref.text(POOL[i], 60)
+        _inject(s, step_delay=0.0)
+        after = _idle_and_whole(s)                                   # the failed requests' pages are back
+        assert after['aborted'] - before['aborted'] == 3             # the stream, and both choices of the other one
+        r = _complete(s, prompt=POOL[6], max_tokens=6, temperature=0)
+        assert r['choices'][0]['text'] == ref.text(POOL[6], 6)       # and it serves on
+        chat = _post(s, '/v1/chat/completions', {**CHAT, 'temperature': 0, 'ignore_eos': True})
+        prompt = ref.tok.apply_chat_template(CHAT['messages'], tokenize=False, add_generation_prompt=True)
+        assert chat.status_code == 200, chat.text
+        assert chat.json()['choices'][0]['message']['content'] == ref.text(ref.tok(prompt, add_special_tokens=False).input_ids, 4)
+        assert httpx.get(s.url + '/health', timeout=10).status_code == 200 and _state(s)['fatal'] is None
+    finally:
+        _retire(s)
