@@ -119,7 +119,7 @@ class TextOut:
     index: int
     text: str                             # the text delta
     token_ids: list[int]
-    logprobs: list | None                 # per token [token string, logprob, [[top string, logprob], ...]]
+    logprobs: list | None                 # per token [id, token string, logprob, [[top id, top string, logprob], ...]]
     finish_reason: str | None
     stop_reason: str | int | None         # the stop string or stop token id that ended it
     prompt_len: int
@@ -189,6 +189,7 @@ class _SamplingRequest(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False   # logprobs name tokens 'token_id:{id}', not by their text
 
 class CompletionRequest(_SamplingRequest):
     "The body of `POST /v1/completions`."
@@ -345,8 +346,8 @@ class TokenizerWorker:
         if detok.stopped_by is not None: finish, stop_reason = 'stop', detok.stopped_by
         elif finish == 'stop' and t.token_ids and t.token_ids[-1] in self.params[t.rid].stop_token_ids:
             stop_reason = t.token_ids[-1]
-        lps = None if t.logprobs is None else [
-            [self.token_str(tok), lp, [[self.token_str(i), l] for i, l in top]] for tok, (lp, top) in zip(t.token_ids, t.logprobs)]
+        lps = None if t.logprobs is None else [[tok, self.token_str(tok), lp, [[i, self.token_str(i), l] for i, l in top]]
+                                               for tok, (lp, top) in zip(t.token_ids, t.logprobs)]
         return TextOut(t.rid, t.index, text, t.token_ids, lps, finish, stop_reason, t.prompt_len, t.cached_len)
 
 # %% ../nbs/14_server.ipynb #bbdd9f0d
@@ -499,24 +500,34 @@ class Choice:
 
 class ResponseFormat:
     "OpenAI's JSON for one completions or chat request: chunks, the final response, usage, logprobs."
-    def __init__(self, kind: Literal['completion', 'chat'], model: str, logprobs: bool = False, include_usage: bool = False):
+    def __init__(self, kind: Literal['completion', 'chat'], model: str, logprobs: bool = False, include_usage: bool = False,
+                 tokens_as_ids: bool = False):     # name tokens in the logprobs 'token_id:{id}' (vLLM's return_tokens_as_token_ids)
         self.kind, self.model, self.want_logprobs, self.include_usage = kind, model, logprobs, include_usage
+        self.tokens_as_ids = tokens_as_ids
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}    # completions: characters streamed so far, per choice (for text_offset)
 
     def _head(self, obj: str) -> dict: return {'id': self.id, 'object': obj, 'created': self.created, 'model': self.model}
 
+    def token(self, token_id: int, text: str) -> str:
+        "How the logprobs name a token: its text, or 'token_id:{id}'."
+        return f'token_id:{token_id}' if self.tokens_as_ids else text
+
     def logprobs(self, entries: list, index: int = 0, offset: int = 0) -> dict | None:
         "Logprobs of some tokens, in this endpoint's shape; `offset` is where their text starts."
         if not self.want_logprobs: return None
         if self.kind == 'chat':
-            def one(s, lp): return {'token': s, 'logprob': lp, 'bytes': list(s.encode('utf-8'))}
-            return {'content': [dict(one(s, lp), top_logprobs=[one(ts, tl) for ts, tl in top]) for s, lp, top in entries]}
+            def one(tid, text, lp):
+                name = self.token(tid, text)
+                return {'token': name, 'logprob': lp, 'bytes': list(name.encode('utf-8'))}
+            return {'content': [dict(one(tid, text, lp), top_logprobs=[one(*t) for t in top]) for tid, text, lp, top in entries]}
         offsets = []
-        for s, _, _ in entries: offsets.append(offset); offset += len(s)
-        return {'tokens': [e[0] for e in entries], 'token_logprobs': [e[1] for e in entries],
-                'top_logprobs': [{ts: tl for ts, tl in e[2]} for e in entries], 'text_offset': offsets}
+        for _, text, _, _ in entries:
+            offsets.append(offset)
+            offset += len(text)
+        return {'tokens': [self.token(tid, text) for tid, text, _, _ in entries], 'token_logprobs': [e[2] for e in entries],
+                'top_logprobs': [{self.token(tid, text): lp for tid, text, lp in e[3]} for e in entries], 'text_offset': offsets}
 
     def role_chunk(self, index: int) -> dict:
         "Chat's first chunk of a choice."
@@ -931,7 +942,8 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     async def run(request: Request, body, reqs: list[GenerateReq], sp: SamplingParams, kind: str):
         want_lp = (body.logprobs if kind == 'chat' else body.logprobs is not None)
-        fmt = ResponseFormat(kind, frontend.model_name, want_lp, bool(body.stream_options and body.stream_options.include_usage))
+        fmt = ResponseFormat(kind, frontend.model_name, want_lp, bool(body.stream_options and body.stream_options.include_usage),
+                             body.return_tokens_as_token_ids)
         gen = frontend.generate(reqs, sp.n, kind)
         try: first = await unless_disconnected(request, gen.next())   # errors before any token are plain HTTP errors
         except ClientDisconnected: gen.close(); return Response(status_code=499)

@@ -189,6 +189,31 @@ def test_logprobs(client, llm):
     entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [e.token for e in entries] == [e.token for e in content]
 
+def test_return_tokens_as_token_ids(client, llm):
+    "vLLM's `return_tokens_as_token_ids`: every token of the logprobs is 'token_id:{id}', so byte tokens that decode alike stay apart."
+    prompt, ids_as_text = PROMPTS[2], {'ignore_eos': True, 'return_tokens_as_token_ids': True}
+    ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3), use_tqdm=False)[0].outputs[0]
+    kw = dict(model='tiny', prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    r = client.completions.create(**kw, extra_body=ids_as_text)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [f'token_id:{t}' for t in ref.token_ids]
+    for top, want in zip(lp.top_logprobs, ref.logprobs):             # greedy: the chosen token is one of the top 3
+        assert len(top) == 3
+        got = {int(k.removeprefix('token_id:')): v for k, v in top.items()}
+        assert got.keys() == want.keys() and all(abs(got[t] - want[t]) < 1e-4 for t in got)
+    plain = client.completions.create(**kw, extra_body={'ignore_eos': True})
+    assert plain.choices[0].text == r.choices[0].text
+    assert plain.choices[0].logprobs.tokens == [llm.tokenizer.decode([t]) for t in ref.token_ids]   # without it: token text
+    assert plain.choices[0].logprobs.text_offset == lp.text_offset                                 # offsets index the text
+    msgs = [{'role': 'user', 'content': 'Hi'}]
+    ref_chat = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2), use_tqdm=False)[0].outputs[0]
+    chunks = list(client.chat.completions.create(model='tiny', messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                                 top_logprobs=2, stream=True, extra_body=ids_as_text))
+    content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in content] == [f'token_id:{t}' for t in ref_chat.token_ids]
+    for e, want in zip(content, ref_chat.logprobs):
+        assert e.bytes == list(e.token.encode()) and {int(t.token.removeprefix('token_id:')) for t in e.top_logprobs} == want.keys()
+
 # -- bad requests ---------------------------------------------------------------------------------------------------
 BAD = [  # (endpoint, body changes, status, param or None, words in the message)
     ('completions', {'temperature': -1}, 400, 'temperature', 'temperature'),
