@@ -169,6 +169,20 @@ def test_sampling_options(client, llm):
     r = client.completions.create(model='tiny', prompt=ids, max_tokens=6, temperature=0, extra_body={'ignore_eos': True})
     assert r.choices[0].text == _greedy(llm, PROMPTS[3], 6).text
 
+def test_min_tokens_holds_stop_strings_back(client, llm):
+    "A stop string inside the text of the first `min_tokens` tokens does not stop the request; the first one after it does."
+    full, tok = _greedy(llm, PROMPTS[0], 16), llm.tokenizer
+    for min_tokens, stop in [(10, tok.decode(full.token_ids[1:2])), (6, tok.decode(full.token_ids[:1]))]:
+        before = tok.decode(full.token_ids[:min_tokens])
+        at = full.text.find(stop, len(before) - len(stop) + 1)        # the first match that ends after that text
+        want = (full.text, 'length') if at < 0 else (full.text[:at], 'stop')
+        kw = dict(model='tiny', prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop],
+                  extra_body={'min_tokens': min_tokens, 'ignore_eos': True})
+        r = client.completions.create(**kw)
+        assert (r.choices[0].text, r.choices[0].finish_reason) == want and r.usage.completion_tokens > min_tokens, (stop, r)
+        chunks = list(client.completions.create(stream=True, **kw))
+        assert (''.join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason) == want
+
 def test_logprobs(client, llm):
     ref = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2), use_tqdm=False)[0].outputs[0]
     r = client.completions.create(model='tiny', prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2, extra_body={'ignore_eos': True})
