@@ -24,6 +24,7 @@ class IncrementalDetokenizer:
         self.tokenizer, self.params = tokenizer, params
         self.ids = list(prompt_ids[-context:])
         self.prefix_offset, self.read_offset = 0, len(self.ids)
+        self.num_tokens = 0             # output tokens taken so far
         self.text = ''                  # the output text so far (cut at a stop string)
         self.stopped_by: str | None = None
         self._max_stop = max((len(s) for s in params.stop), default=0)
@@ -35,29 +36,35 @@ class IncrementalDetokenizer:
     def add(self, token_ids: Sequence[int], final: bool = False) -> str:
         "Take new output tokens; returns the text that is now safe to show (all of it once `final`)."
         if self.stopped_by is None:
-            self.ids.extend(token_ids)
-            prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-            full = self._decode(self.ids[self.prefix_offset:])
-            if len(full) > len(prefix) and (final or not full.endswith('\ufffd')):
-                start = max(0, len(self.text) - self._max_stop + 1)    # a stop string may begin in the held-back tail
-                self.text += full[len(prefix):]
-                self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-                self._cut_stop(start)
+            held = self.params.min_tokens - self.num_tokens      # tokens still inside `min_tokens`
+            if 0 < held < len(token_ids):                         # crossing it: the held tokens' text comes first
+                self._take(token_ids[:held], final=False)
+                token_ids = token_ids[held:]
+            self._take(token_ids, final)
         safe = self.text if final else self.safe_text()
         delta, self._emitted = safe[self._emitted:], len(safe)
         return delta
 
-    def _cut_stop(self, start: int) -> int:
-        "Cut `text` at the first stop string at or after `start`; returns how many characters were removed."
-        hits = [(self.text.find(s, start), s) for s in self.params.stop]
+    def _take(self, token_ids: Sequence[int], final: bool):
+        "Decode the window with `token_ids` added; append the new text and look for stop strings in it."
+        self.ids.extend(token_ids)
+        self.num_tokens += len(token_ids)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and (final or not full.endswith('\ufffd')):
+            new_from = len(self.text)
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            if self.num_tokens > self.params.min_tokens: self._cut_stop(new_from)
+
+    def _cut_stop(self, new_from: int):
+        "Cut `text` at the first stop string that ends after `new_from` (it may begin before: in the held-back tail)."
+        hits = [(self.text.find(s, max(0, new_from - len(s) + 1)), s) for s in self.params.stop]
         hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits: return 0
+        if not hits: return
         i, s = min(hits)
         self.stopped_by = s
-        end = i + len(s) if self.params.include_stop_str_in_output else i
-        removed = len(self.text) - end
-        self.text = self.text[:end]
-        return removed
+        self.text = self.text[:i + len(s) if self.params.include_stop_str_in_output else i]
 
     def safe_text(self) -> str:
         "The text that can be streamed now: all of it, minus a tail that might still become a stop string."

@@ -75,6 +75,7 @@ class DebugReq:
     stall: float = 0.0                 # freeze the scheduler loop once, this many seconds (no steps, no heartbeat)
     step_delay: float | None = None    # from now on, sleep this long before each engine step (None: unchanged)
     leak_pages: int | None = None      # hold this many pages that no request owns (a simulated leak); 0 returns them
+    fail_detokenize: int | None = None # the tokenizer process fails the next request's detokenizing past this many tokens
 
 @message
 class TokenizedReq:
@@ -118,7 +119,7 @@ class TextOut:
     index: int
     text: str                             # the text delta
     token_ids: list[int]
-    logprobs: list | None                 # per token [token string, logprob, [[top string, logprob], ...]]
+    logprobs: list | None                 # per token [id, token string, logprob, [[top id, top string, logprob], ...]]
     finish_reason: str | None
     stop_reason: str | int | None         # the stop string or stop token id that ended it
     prompt_len: int
@@ -188,6 +189,7 @@ class _SamplingRequest(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_tokens_as_token_ids: bool = False   # logprobs name tokens 'token_id:{id}', not by their text
 
 class CompletionRequest(_SamplingRequest):
     "The body of `POST /v1/completions`."
@@ -262,13 +264,16 @@ def _text_content(content) -> str:
 
 class TokenizerWorker:
     "The tokenizer process's logic: prompts to token ids on the way in, tokens to text on the way out."
-    def __init__(self, tokenizer, chat_template: str | None = None):
+    def __init__(self, tokenizer, chat_template: str | None = None,
+                 debug_hooks: bool = False):          # obey `DebugReq.fail_detokenize` (tests only)
         from nanoserve.llm import IncrementalDetokenizer   # here, not at the top: the API process never loads torch
         self._detokenizer = IncrementalDetokenizer
-        self.tokenizer, self.chat_template = tokenizer, chat_template
+        self.tokenizer, self.chat_template, self.debug_hooks = tokenizer, chat_template, debug_hooks
         self.detoks: dict[tuple[str, int], Any] = {}   # (rid, choice) -> its IncrementalDetokenizer
         self.params: dict[str, SamplingParams] = {}
         self._token_strs: dict[int, str] = {}
+        self._fail_next: int | None = None             # injected: the next request fails past this many tokens
+        self._failing: dict[str, int] = {}             # injected: rid -> the tokens past which detokenizing it fails
 
     def render_chat(self, messages: list[dict]) -> list[int]:
         "A conversation as prompt ids: the chat template, with the assistant's turn opened."
@@ -291,38 +296,59 @@ class TokenizerWorker:
             return ErrorOut(msg.rid, text if text.startswith(param) else f'{param}: {text}', 400, param)
         if not ids: return ErrorOut(msg.rid, f'{param}: the prompt is empty', 400, param)
         self.params[msg.rid] = sp
+        if self._fail_next is not None:
+            self._failing[msg.rid], self._fail_next = self._fail_next, None
         for k in range(sp.n): self.detoks[(msg.rid, k)] = self._detokenizer(self.tokenizer, ids, sp)
         return TokenizedReq(msg.rid, ids, msg.params)
 
     def forget(self, rid: str, index: int = -1):
         "Drop the state of a request (or of one of its choices)."
         for key in [k for k in self.detoks if k[0] == rid and index in (-1, k[1])]: del self.detoks[key]
-        if not any(k[0] == rid for k in self.detoks): self.params.pop(rid, None)
+        if any(k[0] == rid for k in self.detoks): return
+        self.params.pop(rid, None)
+        self._failing.pop(rid, None)
+
+    def debug(self, msg: DebugReq):
+        "Apply an injected fault meant for this process; ignored unless the worker was made with `debug_hooks`."
+        if self.debug_hooks and msg.fail_detokenize is not None: self._fail_next = msg.fail_detokenize
 
     def token_str(self, token: int) -> str:
         if token not in self._token_strs: self._token_strs[token] = self.tokenizer.decode([token])
         return self._token_strs[token]
 
     def detokenize(self, step: StepOut) -> tuple[ReplyOut, list[AbortReq]]:
-        "One step's tokens as text deltas; and the requests to stop because they hit a stop string."
-        outs, aborts = [], []
+        "One step's tokens as text deltas; and the requests to stop: those that hit a stop string or failed here."
+        outs, errors, aborts = [], [], []
         for t in step.outputs:
-            detok = self.detoks.get((t.rid, t.index))
-            if detok is None: continue                  # aborted, or already ended by a stop string
-            finish, stop_reason = t.finish_reason, None
-            text = detok.add(t.token_ids, final=finish is not None)
-            sp = self.params[t.rid]
-            if detok.stopped_by is not None:
-                if finish is None: aborts.append(AbortReq(t.rid, t.index))
-                finish, stop_reason = 'stop', detok.stopped_by
-            elif finish == 'stop' and t.token_ids and t.token_ids[-1] in sp.stop_token_ids:
-                stop_reason = t.token_ids[-1]
-            lps = None if t.logprobs is None else [
-                [self.token_str(tok), lp, [[self.token_str(i), l] for i, l in top]] for tok, (lp, top) in zip(t.token_ids, t.logprobs)]
-            outs.append(TextOut(t.rid, t.index, text, t.token_ids, lps, finish, stop_reason, t.prompt_len, t.cached_len))
-            if finish is not None: self.forget(t.rid, t.index)
+            if (t.rid, t.index) not in self.detoks: continue     # aborted, ended by a stop string, or failed
+            try: out = self.text_out(t)
+            except Exception as e:    # this request's failure, not the server's: end it alone, keep serving the others
+                _log(f'tokenizer: detokenizing request {t.rid} failed, ending it:\n{traceback.format_exc()}')
+                errors.append(ErrorOut(t.rid, f'internal error while detokenizing the output: {type(e).__name__}: {e}', 500))
+                aborts.append(AbortReq(t.rid))
+                self.forget(t.rid)
+                continue
+            outs.append(out)
+            if out.finish_reason is not None:
+                if t.finish_reason is None: aborts.append(AbortReq(t.rid, t.index))   # a stop string: the scheduler stops it
+                self.forget(t.rid, t.index)
         for e in step.errors: self.forget(e.rid)
-        return ReplyOut(outs, step.errors, step.stats, step.fatal), aborts
+        return ReplyOut(outs, step.errors + errors, step.stats, step.fatal), aborts
+
+    def text_out(self, t: TokenOut) -> TextOut:
+        "One choice's new tokens as text, its finish reason (a stop string ends it here) and its logprobs' token strings."
+        detok = self.detoks[(t.rid, t.index)]
+        fail_past = self._failing.get(t.rid)
+        if fail_past is not None and detok.num_tokens + len(t.token_ids) > fail_past:
+            raise RuntimeError('a failure injected by a test (debug hooks)')
+        finish, stop_reason = t.finish_reason, None
+        text = detok.add(t.token_ids, final=finish is not None)
+        if detok.stopped_by is not None: finish, stop_reason = 'stop', detok.stopped_by
+        elif finish == 'stop' and t.token_ids and t.token_ids[-1] in self.params[t.rid].stop_token_ids:
+            stop_reason = t.token_ids[-1]
+        lps = None if t.logprobs is None else [[tok, self.token_str(tok), lp, [[i, self.token_str(i), l] for i, l in top]]
+                                               for tok, (lp, top) in zip(t.token_ids, t.logprobs)]
+        return TextOut(t.rid, t.index, text, t.token_ids, lps, finish, stop_reason, t.prompt_len, t.cached_len)
 
 # %% ../nbs/14_server.ipynb #bbdd9f0d
 def build_engine(model: str, **engine_kwargs):
@@ -367,17 +393,19 @@ class SchedulerWorker:
         raise TypeError(f'scheduler: unexpected message {type(msg).__name__}')
 
     def add(self, msg: TokenizedReq) -> ErrorOut | None:
-        "Queue a request's choices, or refuse it at once."
+        "Queue a request's choices, or refuse it at once; a failure while adding it fails this request alone."
         uids = []
         try:
             sp = SamplingParams(**msg.params)
             for k in range(sp.n):
                 sub = sp if sp.n == 1 else replace(sp, n=1, seed=None if sp.seed is None else sp.seed + k)
+                self.engine.add_request((msg.rid, k), msg.input_ids, sub)
                 uids.append((msg.rid, k))
-                self.engine.add_request(uids[-1], msg.input_ids, sub)
-        except ValueError as e:
-            for uid in uids[:-1]: self.engine.abort(uid)
-            return error_from_value(msg.rid, e, _PARAMS)
+        except Exception as e:
+            for uid in uids: self.engine.abort(uid)
+            if isinstance(e, ValueError): return error_from_value(msg.rid, e, _PARAMS)
+            _log(f'scheduler: adding request {msg.rid} failed, refusing it:\n{traceback.format_exc()}')
+            return ErrorOut(msg.rid, f'internal error while adding the request: {type(e).__name__}: {e}', 500)
         self.choices[msg.rid] = uids
         for uid in uids: self.sent[uid] = 0
         return None
@@ -472,24 +500,34 @@ class Choice:
 
 class ResponseFormat:
     "OpenAI's JSON for one completions or chat request: chunks, the final response, usage, logprobs."
-    def __init__(self, kind: Literal['completion', 'chat'], model: str, logprobs: bool = False, include_usage: bool = False):
+    def __init__(self, kind: Literal['completion', 'chat'], model: str, logprobs: bool = False, include_usage: bool = False,
+                 tokens_as_ids: bool = False):     # name tokens in the logprobs 'token_id:{id}' (vLLM's return_tokens_as_token_ids)
         self.kind, self.model, self.want_logprobs, self.include_usage = kind, model, logprobs, include_usage
+        self.tokens_as_ids = tokens_as_ids
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}    # completions: characters streamed so far, per choice (for text_offset)
 
     def _head(self, obj: str) -> dict: return {'id': self.id, 'object': obj, 'created': self.created, 'model': self.model}
 
+    def token(self, token_id: int, text: str) -> str:
+        "How the logprobs name a token: its text, or 'token_id:{id}'."
+        return f'token_id:{token_id}' if self.tokens_as_ids else text
+
     def logprobs(self, entries: list, index: int = 0, offset: int = 0) -> dict | None:
         "Logprobs of some tokens, in this endpoint's shape; `offset` is where their text starts."
         if not self.want_logprobs: return None
         if self.kind == 'chat':
-            def one(s, lp): return {'token': s, 'logprob': lp, 'bytes': list(s.encode('utf-8'))}
-            return {'content': [dict(one(s, lp), top_logprobs=[one(ts, tl) for ts, tl in top]) for s, lp, top in entries]}
+            def one(tid, text, lp):
+                name = self.token(tid, text)
+                return {'token': name, 'logprob': lp, 'bytes': list(name.encode('utf-8'))}
+            return {'content': [dict(one(tid, text, lp), top_logprobs=[one(*t) for t in top]) for tid, text, lp, top in entries]}
         offsets = []
-        for s, _, _ in entries: offsets.append(offset); offset += len(s)
-        return {'tokens': [e[0] for e in entries], 'token_logprobs': [e[1] for e in entries],
-                'top_logprobs': [{ts: tl for ts, tl in e[2]} for e in entries], 'text_offset': offsets}
+        for _, text, _, _ in entries:
+            offsets.append(offset)
+            offset += len(text)
+        return {'tokens': [self.token(tid, text) for tid, text, _, _ in entries], 'token_logprobs': [e[2] for e in entries],
+                'top_logprobs': [{self.token(tid, text): lp for tid, text, lp in e[3]} for e in entries], 'text_offset': offsets}
 
     def role_chunk(self, index: int) -> dict:
         "Chat's first chunk of a choice."
@@ -904,7 +942,8 @@ def build_app(frontend: Frontend) -> FastAPI:
 
     async def run(request: Request, body, reqs: list[GenerateReq], sp: SamplingParams, kind: str):
         want_lp = (body.logprobs if kind == 'chat' else body.logprobs is not None)
-        fmt = ResponseFormat(kind, frontend.model_name, want_lp, bool(body.stream_options and body.stream_options.include_usage))
+        fmt = ResponseFormat(kind, frontend.model_name, want_lp, bool(body.stream_options and body.stream_options.include_usage),
+                             body.return_tokens_as_token_ids)
         gen = frontend.generate(reqs, sp.n, kind)
         try: first = await unless_disconnected(request, gen.next())   # errors before any token are plain HTTP errors
         except ClientDisconnected: gen.close(); return Response(status_code=499)
@@ -982,10 +1021,10 @@ def _scheduler_main(ready, parent_pid: int, model: str, engine_kwargs: dict, ipc
         _send(out, StepOut(fatal=f'{type(e).__name__}: {e}'), parent_pid)
         raise
 
-def _tokenizer_main(ready, parent_pid: int, path: str, ipc: dict, chat_template: str | None = None):
+def _tokenizer_main(ready, parent_pid: int, path: str, ipc: dict, chat_template: str | None = None, debug_hooks: bool = False):
     "The tokenizer process: tokenize requests on their way in, detokenize tokens on their way out."
     from transformers import AutoTokenizer
-    worker = TokenizerWorker(AutoTokenizer.from_pretrained(path), chat_template)
+    worker = TokenizerWorker(AutoTokenizer.from_pretrained(path), chat_template, debug_hooks)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL); inbox.setsockopt(zmq.LINGER, 0); inbox.bind(ipc['tokenizer'])
     from_sched = ctx.socket(zmq.PULL); from_sched.setsockopt(zmq.LINGER, 0); from_sched.bind(ipc['detokenizer'])
@@ -1002,7 +1041,9 @@ def _tokenizer_main(ready, parent_pid: int, path: str, ipc: dict, chat_template:
                 else: _send(to_sched, r, parent_pid)
             elif isinstance(msg, AbortReq):
                 worker.forget(msg.rid, msg.index); _send(to_sched, msg, parent_pid)
-            elif isinstance(msg, DebugReq): _send(to_sched, msg, parent_pid)
+            elif isinstance(msg, DebugReq):
+                worker.debug(msg)
+                _send(to_sched, msg, parent_pid)
             elif isinstance(msg, StepOut):
                 reply, aborts = worker.detokenize(msg)
                 if reply.outputs or reply.errors or reply.stats is not None or reply.fatal: _send(to_api, reply, parent_pid)
@@ -1035,7 +1076,7 @@ class Workers:
         "Start both processes and wait until they are ready; returns what they reported."
         ctx = mp.get_context('spawn')
         mains = {'scheduler': (_scheduler_main, (self.path, self.engine_kwargs, self.ipc, self.integrity_check, self.debug_hooks)),
-                 'tokenizer': (_tokenizer_main, (self.path, self.ipc, self.chat_template))}
+                 'tokenizer': (_tokenizer_main, (self.path, self.ipc, self.chat_template, self.debug_hooks))}
         conns, info = {}, {'path': self.path}
         for name, (main, args) in mains.items():
             recv, send = ctx.Pipe(duplex=False)

@@ -3,12 +3,13 @@ against the server's own OpenAPI schema), faults (dead workers, SIGTERM drain, a
 integrity check in both modes, and the determinism the server promises. Real servers (three processes, ZMQ,
 uvicorn) on a tiny model, loopback only; every wait is bounded.
 
-Three servers are started, to keep the CPU time low: `main` (the default overlapped engine), `kv` (a KV pool of
-96 token slots, the plain engine, integrity violations raise) and one whose tokenizer is killed. Tests that end a
+Four servers are started, to keep the CPU time low: `main` (the default overlapped engine), `kv` (a KV pool of
+96 token slots, the plain engine, integrity violations raise), one whose tokenizer is killed and one whose requests
+fail one at a time (a chat template that raises, an injected detokenizer failure). Tests that end a
 server run last on it (drain for `main`, the integrity crash for `kv`), so run the file in order.
 
 Size: `NANOSERVE_STRESS_REQUESTS` requests per storm (default 64, sized for two CPU cores; 256 for the full load)."""
-import asyncio, json, os, random, signal, threading, time
+import asyncio, json, os, random, re, signal, threading, time
 import httpx
 import pytest
 from nanoserve.engine import save_tiny_model
@@ -338,6 +339,177 @@ def test_schemathesis_no_server_errors(main):
     assert len({p for _, p, _ in seen}) >= 4 and any(c == 200 for c in by_status) and any(400 <= c < 500 for c in by_status)
     print(f'\nschemathesis: {len(seen)} requests over {len({(m, p) for m, p, _ in seen})} operations, statuses {dict(sorted(by_status.items()))}')
 
+# -- 3b. sampling combinations --------------------------------------------------------------------------------------
+FUZZ_REQUESTS = int(os.environ.get('NANOSERVE_FUZZ_REQUESTS', '48'))   # valid requests, in waves of FUZZ_WAVE at once
+FUZZ_WAVE = 12
+# Greedy, the tiny model ends 'aris' on eos at once and 'in' at its 10th token: the eos paths are taken.
+FUZZ_PROMPTS = POOL[:4] + ['aris', 'in', 'Héllo → 世界']
+
+def _fuzz_plan(ref, seed: int) -> list[dict]:
+    "Valid requests that combine the sampling knobs at random; stop strings and stop tokens from what the model would say."
+    rng = random.Random(seed)
+    def maybe(p: float = 0.5) -> bool: return rng.random() < p
+    plan = []
+    for _ in range(FUZZ_REQUESTS):
+        chat, max_tokens = maybe(0.35), rng.randint(1, 12)
+        body = {'model': 'tiny', 'max_tokens': max_tokens, 'n': rng.choice([1, 1, 2, 3]), 'stream': maybe(),
+                'temperature': rng.choice([0, 0, 0, 0.5, 1.0, 1.5])}
+        prompt = rng.choice(FUZZ_PROMPTS)
+        if chat:
+            body['messages'] = [{'role': 'user', 'content': prompt}]
+            ids = ref.tok(ref.tok.apply_chat_template(body['messages'], tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False).input_ids
+        else:
+            body['prompt'] = rng.choice([prompt, ref.ids(prompt), [prompt, rng.choice(FUZZ_PROMPTS)]])
+            ids = ref.ids(prompt)
+        said = ref.greedy(ids, 12)                                       # what greedy decoding would say
+        text = ref.tok.decode(said)
+        pieces = [text[i:i + k] for k in (1, 2, 3) for i in range(len(text) - k + 1) if '\ufffd' not in text[i:i + k]]
+        if maybe(): body['seed'] = rng.randrange(2 ** 32)
+        if maybe(0.3): body['top_p'] = round(rng.uniform(0.1, 1.0), 2)
+        if maybe(0.3): body['top_k'] = rng.choice([-1, 0, 1, 5, 50])
+        if maybe(0.3): body['min_p'] = round(rng.uniform(0.0, 0.5), 2)
+        for name in ('presence_penalty', 'frequency_penalty'):        # small ones keep greedy's path (and its eos)
+            if maybe(): body[name] = rng.choice([-2.0, -0.5, 0.1, 0.5, 2.0])
+        if maybe(): body['repetition_penalty'] = rng.choice([0.5, 0.9, 1.05, 1.3, 2.0])
+        if maybe(0.4) and pieces: body['stop'] = rng.sample(pieces, min(len(pieces), rng.randint(1, 3)))
+        if maybe(0.3): body['stop_token_ids'] = rng.sample(said, 2) + ([2] if maybe() else [])
+        if maybe(0.4): body['min_tokens'] = rng.randint(0, max_tokens)
+        if maybe(0.3): body['ignore_eos'] = True
+        if maybe(0.2): body['include_stop_str_in_output'] = True
+        if maybe(0.2): body['skip_special_tokens'] = False
+        if maybe(0.6):
+            if chat: body.update(logprobs=True, top_logprobs=rng.randint(0, 5))
+            else: body['logprobs'] = rng.randint(0, 5)
+            if maybe(0.3): body['return_tokens_as_token_ids'] = True
+        if body['stream'] and maybe(): body['stream_options'] = {'include_usage': True}
+        plan.append(body)
+    return plan
+
+def _take_choice(acc: dict, ch: dict, chat: bool):
+    "Add one choice object (a whole one, or a streamed delta) to its accumulated answer."
+    if not chat: acc['text'] += ch['text']
+    else: acc['text'] += ch['message']['content'] if 'message' in ch else ch['delta'].get('content') or ''
+    if ch.get('finish_reason') is not None:
+        acc['finishes'].append(ch['finish_reason'])
+        acc['stop_reason'] = ch.get('stop_reason')
+    lp = ch.get('logprobs')
+    if lp and chat:
+        for e in lp['content']:
+            acc['tokens'].append(e['token']); acc['token_logprobs'].append(e['logprob'])
+            acc['top'].append([t['token'] for t in e['top_logprobs']]); acc['text_offset'].append(None)
+    elif lp:
+        acc['tokens'] += lp['tokens']; acc['token_logprobs'] += lp['token_logprobs']
+        acc['top'] += [list(t) for t in lp['top_logprobs']]; acc['text_offset'] += lp['text_offset']
+
+async def _fuzz_call(c: httpx.AsyncClient, url: str, body: dict) -> dict:
+    "One request, streamed or not; its answer as {'status', 'error', 'choices': {index: accumulated}, 'usage', 'done'}."
+    chat = 'messages' in body
+    path = '/v1/chat/completions' if chat else '/v1/completions'
+    choices: dict[int, dict] = {}
+    def take(ch):
+        empty = dict(text='', finishes=[], stop_reason=None, tokens=[], token_logprobs=[], top=[], text_offset=[])
+        _take_choice(choices.setdefault(ch['index'], empty), ch, chat)
+    if not body['stream']:
+        r = await c.post(url + path, json=body)
+        if r.status_code != 200: return {'status': r.status_code, 'error': r.text}
+        for ch in r.json()['choices']: take(ch)
+        return {'status': 200, 'error': None, 'choices': choices, 'usage': r.json()['usage'], 'done': True}
+    usage, done = None, False
+    async with c.stream('POST', url + path, json=body) as r:
+        if r.status_code != 200: return {'status': r.status_code, 'error': (await r.aread()).decode()}
+        async for line in r.aiter_lines():
+            if not line.startswith('data: '): continue
+            if line == 'data: [DONE]': done = True; break
+            ev = json.loads(line[6:])
+            if 'error' in ev: return {'status': 200, 'error': ev['error'], 'done': False}
+            usage = ev.get('usage') or usage
+            for ch in ev['choices']: take(ch)
+    return {'status': 200, 'error': None, 'choices': choices, 'usage': usage, 'done': done}
+
+def _fuzz_problems(body: dict, ans: dict) -> list[str]:
+    "What is wrong with an answer to a valid request (empty if nothing)."
+    if ans['status'] != 200 or ans['error'] is not None: return [f"status {ans['status']}: {str(ans['error'])[:300]}"]
+    chat, n = 'messages' in body, body['n']
+    two = not chat and isinstance(body['prompt'], list) and isinstance(body['prompt'][0], str)     # a list of 2 prompts
+    prompts = 2 if two else 1
+    min_tokens, max_tokens, stops = body.get('min_tokens', 0), body['max_tokens'], body.get('stop', [])
+    k = body.get('top_logprobs') if chat else body.get('logprobs')
+    out = [] if ans['done'] else ['the stream did not end with [DONE]']
+    if sorted(ans['choices']) != list(range(prompts * n)):
+        out.append(f"choice indices {sorted(ans['choices'])}, expected {prompts * n}")
+    counted = 0
+    for i, c in ans['choices'].items():
+        where = f'choice {i}'
+        if len(c['finishes']) != 1 or c['finishes'][0] not in ('stop', 'length'):
+            out.append(f"{where}: finish reasons {c['finishes']}")
+        finish, reason = (c['finishes'] or [None])[0], c['stop_reason']
+        if isinstance(reason, str):
+            if finish != 'stop' or reason not in stops: out.append(f'{where}: stop_reason {reason!r} with {finish}')
+            if body.get('include_stop_str_in_output') and not c['text'].endswith(reason):
+                out.append(f'{where}: the stop string is not at the end')
+        elif isinstance(reason, int) and reason not in body.get('stop_token_ids', []):
+            out.append(f'{where}: stop_reason {reason} not asked for')
+        elif finish == 'stop' and reason is None and body.get('ignore_eos'):
+            out.append(f'{where}: ended on eos with ignore_eos')
+        if not min_tokens and not body.get('include_stop_str_in_output'):
+            out += [f'{where}: the stop string {s!r} is in the text' for s in stops if s in c['text']]
+        if k is None:
+            if c['tokens']: out.append(f'{where}: logprobs that were not asked for')
+            continue
+        m = len(c['tokens'])
+        counted += m
+        lens = {len(c['tokens']), len(c['token_logprobs']), len(c['top'])} | (set() if chat else {len(c['text_offset'])})
+        if len(lens) != 1: out.append(f'{where}: logprobs lists of lengths {lens}')
+        if not min_tokens <= m <= max_tokens or (finish == 'length' and m != max_tokens):
+            out.append(f'{where}: {m} tokens, finish {finish}, min_tokens {min_tokens}, max_tokens {max_tokens}')
+        exact = chat or body.get('return_tokens_as_token_ids')       # completions' text keys may collapse (chapter 14)
+        if any(len(t) > k or (exact and len(t) != k) for t in c['top']):
+            out.append(f"{where}: top logprobs {[len(t) for t in c['top']]}, asked for {k}")
+        names = c['tokens'] + sum(c['top'], [])
+        if body.get('return_tokens_as_token_ids') and not all(re.fullmatch(r'token_id:\d+', t) for t in names):
+            out.append(f'{where}: a token not named token_id:N')
+        if not chat and c['text_offset'] != sorted(c['text_offset']): out.append(f'{where}: text_offset not increasing')
+    if body['temperature'] == 0 and len({c['text'] for i, c in ans['choices'].items() if i < n}) > 1:
+        out.append('greedy choices of one prompt differ')
+    usage = ans['usage']
+    if usage is None:
+        if not body['stream'] or body.get('stream_options'): out.append('no usage')
+    else:
+        done = usage['completion_tokens']
+        if not prompts * n * min_tokens <= done <= prompts * n * max_tokens: out.append(f'usage {usage}')
+        if k is not None and done != counted: out.append(f'usage says {done} tokens, the logprobs {counted}')
+        if usage['total_tokens'] != usage['prompt_tokens'] + done or usage['prompt_tokens'] < 1:
+            out.append(f'usage {usage}')
+    return out
+
+def test_fuzz_sampling_combinations(model_dir, ref):
+    """Valid requests that combine penalties, stop strings and stop tokens, min_tokens, logprobs, n, seeds, ignore_eos and
+    streaming, a wave at a time on the overlapped engine: never a 5xx or a hang, every answer well-formed, and the server
+    whole and serving afterwards. A server of its own (integrity violations raise), so a crash here ends no other test."""
+    plan = _fuzz_plan(ref, seed=int(os.environ.get('NANOSERVE_FUZZ_SEED', '1')))
+    s = _serve(model_dir, integrity_check='raise', **MAIN)
+    try:
+        async def run(bodies):
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.wait_for(asyncio.gather(*[_fuzz_call(c, s.url, b) for b in bodies]), 300)
+        problems = []
+        for start in range(0, len(plan), FUZZ_WAVE):
+            wave = plan[start:start + FUZZ_WAVE]
+            for i, (body, ans) in enumerate(zip(wave, asyncio.run(run(wave)))):
+                problems += [(start + i, p, body) for p in _fuzz_problems(body, ans)]
+            if problems: break                                           # the wave's answers say what went wrong
+        shown = '\n'.join(f'#{i}: {p}\n    {json.dumps(b)}' for i, p, b in problems[:5])
+        assert not problems, f'{len(problems)} problem(s) in requests {sorted({i for i, _, _ in problems})}, first:\n{shown}'
+        _idle_and_whole(s)
+        assert _state(s)['open_requests'] == 0
+        r = _complete(s, prompt=POOL[0], max_tokens=8, temperature=0)
+        assert r['choices'][0]['text'] == ref.text(POOL[0], 8)
+        print(f'\nfuzz: {len(plan)} requests ({sum(b["stream"] for b in plan)} streamed), all well-formed; server whole')
+        _retire(s)
+    finally:
+        s.stop(signal.SIGKILL)
+
 # -- 6. determinism -------------------------------------------------------------------------------------------------
 def test_same_seed_same_output(main):
     "Same request + same seed: same output, run alone, again, or in a batch with other traffic; another seed differs."
@@ -537,3 +709,56 @@ def test_tokenizer_death(model_dir):
         assert _gone(s.pids['scheduler'])
     finally:
         s.stop(signal.SIGKILL)
+
+# The tiny model's toy chat template, which refuses one message with jinja's `raise_exception`.
+REFUSING_TEMPLATE = ("{% for m in messages %}{% if m['content'] == 'refuse me' %}{{ raise_exception('the template refuses this message') }}"
+                     "{% endif %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}")
+
+def _read_stream(server, body: dict) -> tuple[int, list]:
+    "A streaming completion read to its end: the status and the events (JSON, or the string '[DONE]')."
+    with httpx.stream('POST', server.url + '/v1/completions', json={'model': 'tiny', 'stream': True, **body}, timeout=60) as r:
+        if r.status_code != 200: return r.status_code, [json.loads(r.read())]
+        return 200, [l[6:] if l == 'data: [DONE]' else json.loads(l[6:]) for l in r.iter_lines() if l.startswith('data: ')]
+
+def test_one_request_fails_alone(model_dir, ref):
+    """Requests that fail in the tokenizer process (a chat template that raises, a detokenizer failure) get their own error;
+    streams running beside them finish exactly, the failed ones are aborted in the scheduler, and the server serves on."""
+    s = _serve(model_dir, chat_template=REFUSING_TEMPLATE, **MAIN)
+    try:
+        before = _idle_and_whole(s)
+        _inject(s, step_delay=0.02)                                  # >= 20 ms a step: the streams below outlast the faults
+        streams, firsts, threads = [{} for _ in range(3)], [threading.Event() for _ in range(3)], []
+        for i, (out, first) in enumerate(zip(streams, firsts)):
+            threads.append(_sse_thread(s, dict(prompt=POOL[i], max_tokens=60, temperature=0), out, first))
+        assert all(e.wait(30) for e in firsts)
+        r = _post(s, '/v1/chat/completions', {'model': 'tiny', 'messages': [{'role': 'user', 'content': 'refuse me'}], 'max_tokens': 4})
+        assert r.status_code == 400, r.text                          # the template's error is the request's fault
+        err = _envelope(r)
+        assert err['param'] == 'messages' and 'the template refuses this message' in err['message'], err
+        _inject(s, fail_detokenize=3)                                # the next request fails once it has more than 3 tokens
+        status, events = _read_stream(s, dict(prompt=POOL[4], max_tokens=400, ignore_eos=True, temperature=0))
+        assert status == 200 and events[-1] == '[DONE]', events     # a stream that started: an error event, then [DONE]
+        streamed = ''.join(c['text'] for e in events[:-2] for c in e['choices'])
+        assert streamed and ref.text(POOL[4], 3).startswith(streamed), streamed   # its first tokens' text (a broken character waits)
+        err = events[-2]['error']
+        assert err['type'] == 'server_error' and 'detokeniz' in err['message'], err
+        _inject(s, fail_detokenize=0)                                # the next request fails at its first tokens
+        r = _post(s, '/v1/completions', {'model': 'tiny', 'prompt': POOL[5], 'max_tokens': 400, 'ignore_eos': True, 'n': 2})
+        assert r.status_code == 500 and 'detokeniz' in _envelope(r)['message'], r.text
+        for t in threads: t.join(60)
+        for i, out in enumerate(streams):                            # the streams beside them: exact, to the end
+            ev = [json.loads(e) for e in out['events'][:-1]]
+            assert out['events'][-1] == '[DONE]' and ev[-1]['usage']['completion_tokens'] == 60, out['events'][-3:]
+            assert ''.join(c['text'] for e in ev for c in e['choices']) == ref.text(POOL[i], 60)
+        _inject(s, step_delay=0.0)
+        after = _idle_and_whole(s)                                   # the failed requests' pages are back
+        assert after['aborted'] - before['aborted'] == 3             # the stream, and both choices of the other one
+        r = _complete(s, prompt=POOL[6], max_tokens=6, temperature=0)
+        assert r['choices'][0]['text'] == ref.text(POOL[6], 6)       # and it serves on
+        chat = _post(s, '/v1/chat/completions', {**CHAT, 'temperature': 0, 'ignore_eos': True})
+        prompt = ref.tok.apply_chat_template(CHAT['messages'], tokenize=False, add_generation_prompt=True)
+        assert chat.status_code == 200, chat.text
+        assert chat.json()['choices'][0]['message']['content'] == ref.text(ref.tok(prompt, add_special_tokens=False).input_ids, 4)
+        assert httpx.get(s.url + '/health', timeout=10).status_code == 200 and _state(s)['fatal'] is None
+    finally:
+        _retire(s)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible server, run for real (three processes, ZMQ, uvicorn) on a tiny model, driven by the official
 `openai` client: response shapes, greedy text equal to the offline `LLM`, a catalogue of bad requests, aborts on
 disconnect, clean shutdown and a dying worker. Loopback only; every wait is bounded."""
-import asyncio, json, os, signal, subprocess, sys, time
+import asyncio, contextlib, json, os, signal, subprocess, sys, time
 import httpx
 import openai
 import pytest
@@ -20,7 +20,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def server(model_dir):
-    s = ServerProcess(model_dir, served_model_name='tiny', **ENGINE).start()
+    s = ServerProcess(model_dir, served_model_name='tiny', debug_hooks=True, **ENGINE).start()   # hooks: see _slowed
     pids = httpx.get(s.url + '/debug/state').json()['pids']
     yield s
     code = s.stop(signal.SIGTERM)          # the shutdown a process manager does: clean, and nothing left behind
@@ -55,6 +55,14 @@ def _wait_idle(server, timeout: float = 20.0) -> dict:
         if s.get('running') == 0 and s.get('waiting') == 0 and st['open_requests'] == 0: return s
         time.sleep(0.05)
     raise AssertionError(f'server not idle after {timeout} s: {st}')
+
+@contextlib.contextmanager
+def _slowed(server, step_delay: float):
+    "The scheduler sleeps `step_delay` s before each engine step (a debug hook), for as long as the block runs."
+    r = httpx.post(server.url + '/debug/inject', json={'step_delay': step_delay}, timeout=10)
+    assert r.status_code == 200, r.text
+    try: yield
+    finally: httpx.post(server.url + '/debug/inject', json={'step_delay': 0.0}, timeout=10)
 
 def _greedy(llm, prompt, n=12, **kw):
     return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw), use_tqdm=False)[0].outputs[0]
@@ -161,6 +169,20 @@ def test_sampling_options(client, llm):
     r = client.completions.create(model='tiny', prompt=ids, max_tokens=6, temperature=0, extra_body={'ignore_eos': True})
     assert r.choices[0].text == _greedy(llm, PROMPTS[3], 6).text
 
+def test_min_tokens_holds_stop_strings_back(client, llm):
+    "A stop string inside the text of the first `min_tokens` tokens does not stop the request; the first one after it does."
+    full, tok = _greedy(llm, PROMPTS[0], 16), llm.tokenizer
+    for min_tokens, stop in [(10, tok.decode(full.token_ids[1:2])), (6, tok.decode(full.token_ids[:1]))]:
+        before = tok.decode(full.token_ids[:min_tokens])
+        at = full.text.find(stop, len(before) - len(stop) + 1)        # the first match that ends after that text
+        want = (full.text, 'length') if at < 0 else (full.text[:at], 'stop')
+        kw = dict(model='tiny', prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop],
+                  extra_body={'min_tokens': min_tokens, 'ignore_eos': True})
+        r = client.completions.create(**kw)
+        assert (r.choices[0].text, r.choices[0].finish_reason) == want and r.usage.completion_tokens > min_tokens, (stop, r)
+        chunks = list(client.completions.create(stream=True, **kw))
+        assert (''.join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason) == want
+
 def test_logprobs(client, llm):
     ref = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2), use_tqdm=False)[0].outputs[0]
     r = client.completions.create(model='tiny', prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2, extra_body={'ignore_eos': True})
@@ -180,6 +202,31 @@ def test_logprobs(client, llm):
     streamed = list(client.chat.completions.create(model='tiny', messages=msgs, max_tokens=5, temperature=0, logprobs=True, top_logprobs=1, stream=True))
     entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [e.token for e in entries] == [e.token for e in content]
+
+def test_return_tokens_as_token_ids(client, llm):
+    "vLLM's `return_tokens_as_token_ids`: every token of the logprobs is 'token_id:{id}', so byte tokens that decode alike stay apart."
+    prompt, ids_as_text = PROMPTS[2], {'ignore_eos': True, 'return_tokens_as_token_ids': True}
+    ref = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3), use_tqdm=False)[0].outputs[0]
+    kw = dict(model='tiny', prompt=prompt, max_tokens=8, temperature=0, logprobs=3)
+    r = client.completions.create(**kw, extra_body=ids_as_text)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == [f'token_id:{t}' for t in ref.token_ids]
+    for top, want in zip(lp.top_logprobs, ref.logprobs):             # greedy: the chosen token is one of the top 3
+        assert len(top) == 3
+        got = {int(k.removeprefix('token_id:')): v for k, v in top.items()}
+        assert got.keys() == want.keys() and all(abs(got[t] - want[t]) < 1e-4 for t in got)
+    plain = client.completions.create(**kw, extra_body={'ignore_eos': True})
+    assert plain.choices[0].text == r.choices[0].text
+    assert plain.choices[0].logprobs.tokens == [llm.tokenizer.decode([t]) for t in ref.token_ids]   # without it: token text
+    assert plain.choices[0].logprobs.text_offset == lp.text_offset                                 # offsets index the text
+    msgs = [{'role': 'user', 'content': 'Hi'}]
+    ref_chat = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2), use_tqdm=False)[0].outputs[0]
+    chunks = list(client.chat.completions.create(model='tiny', messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                                 top_logprobs=2, stream=True, extra_body=ids_as_text))
+    content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in content] == [f'token_id:{t}' for t in ref_chat.token_ids]
+    for e, want in zip(content, ref_chat.logprobs):
+        assert e.bytes == list(e.token.encode()) and {int(t.token.removeprefix('token_id:')) for t in e.top_logprobs} == want.keys()
 
 # -- bad requests ---------------------------------------------------------------------------------------------------
 BAD = [  # (endpoint, body changes, status, param or None, words in the message)
@@ -259,12 +306,13 @@ def _kv_usage(server) -> float:
 def test_disconnect_mid_stream_aborts_and_frees_pages(server):
     before = _wait_idle(server)
     body = {'model': 'tiny', 'prompt': PROMPTS[0], 'max_tokens': 480, 'ignore_eos': True, 'temperature': 0, 'stream': True}
-    with httpx.stream('POST', server.url + '/v1/completions', json=body, timeout=30) as r:
-        lines = r.iter_lines()         # kept open: leaving the iterator early would close the connection
-        events = [next(l for l in lines if l.startswith('data: ')) for _ in range(3)]
-        mid = _state(server)['stats']
-        assert mid['running'] == 1 and mid['free_pages'] < before['free_pages']    # it holds pages while it runs
-    after = _wait_idle(server)                                                     # closing the stream aborted it
+    with _slowed(server, 0.05):        # 480 steps take >= 24 s, until the abort: it is still running when we look
+        with httpx.stream('POST', server.url + '/v1/completions', json=body, timeout=30) as r:
+            lines = r.iter_lines()     # kept open: leaving the iterator early would close the connection
+            events = [next(l for l in lines if l.startswith('data: ')) for _ in range(3)]
+            mid = _state(server)['stats']
+            assert mid['running'] == 1 and mid['free_pages'] < before['free_pages']    # it holds pages while it runs
+        after = _wait_idle(server)                                                     # closing the stream aborted it
     assert after['aborted'] == before['aborted'] + 1
     assert after['generated_tokens'] - before['generated_tokens'] < 480
     assert after['locked_pages'] == 0 and after['integrity'] == 'ok'
@@ -275,9 +323,10 @@ def test_disconnect_while_waiting_aborts(server):
     "A non-streaming client that gives up (a client-side timeout) aborts its request too."
     before = _wait_idle(server)
     body = {'model': 'tiny', 'prompt': PROMPTS[1], 'max_tokens': 480, 'ignore_eos': True, 'temperature': 0}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(server.url + '/v1/completions', json=body, timeout=httpx.Timeout(30, read=0.5))
-    after = _wait_idle(server)
+    with _slowed(server, 0.05):           # 480 steps take >= 24 s, until the abort: the 0.5 s timeout fires long before
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + '/v1/completions', json=body, timeout=httpx.Timeout(30, read=0.5))
+        after = _wait_idle(server)
     assert after['aborted'] == before['aborted'] + 1
     assert after['generated_tokens'] - before['generated_tokens'] < 480
     assert after['integrity'] == 'ok' and _kv_usage(server) == 0.0
