@@ -4,7 +4,7 @@
 
 # %% ../nbs/15_bench.ipynb #8b162d4c
 from __future__ import annotations
-import argparse, http.client, json, math, os, random, statistics, sys, threading, time
+import argparse, http.client, json, math, os, random, statistics, sys, threading, time, urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -22,10 +22,11 @@ from .cli import ENGINE_FLAGS, add_dataclass_flags, dataclass_kwargs, resolve_mo
 # %% auto #0
 __all__ = ['QWEN3_06B', 'Workload', 'random_workload', 'shared_prefix_workload', 'run_nanoserve', 'left_padded', 'greedy_config',
            'run_transformers', 'load_transformers', 'matmul_rate', 'model_params', 'compare', 'environment',
-           'format_table', 'decode_throughput', 'transformers_decode_throughput', 'decode_sweep', 'scheduler_overhead',
-           'poisson_arrivals', 'StreamResult', 'stream_completion', 'online_metrics', 'run_online', 'online_benchmark',
-           'ablations', 'plot_decode_sweep', 'plot_ablations', 'qwen3_06b_dir', 'batch1_latency', 'gpu_benchmark',
-           'build_parser', 'main']
+           'format_table', 'decode_throughput', 'transformers_decode_throughput', 'decode_sweep', 'step_cost',
+           'scheduler_overhead', 'poisson_arrivals', 'StreamResult', 'stream_completion', 'online_metrics',
+           'run_online', 'served_model', 'online_benchmark', 'ablations', 'plot_decode_sweep', 'longest_gap_stream',
+           'plot_stream_times', 'plot_ablations', 'qwen3_06b_dir', 'batch1_latency', 'gpu_benchmark', 'build_parser',
+           'main']
 
 # %% ../nbs/15_bench.ipynb #f895bf34
 @dataclass
@@ -202,11 +203,19 @@ def _sweep_table(res: dict) -> str:
             f"= {res['matmul_flops'] / 1e9:.0f} GFLOP/s / {res['flops_per_token'] / 1e6:.0f} MFLOP per token")
 
 def _latency_table(res: dict) -> str:
-    rows = [(name, *(res[key][k] for k in ('mean', 'p50', 'p99'))) for name, key in
-            [('TTFT ms', 'ttft_ms'), ('inter-token ms', 'itl_ms'), ('time per output token ms', 'tpot_ms'), ('end-to-end ms', 'e2e_ms')]]
-    return (format_table(['metric', 'mean', 'p50', 'p99'], rows) +
-            f"\n{res['completed']} of {res['sent']} requests at {res['rate']}/s ({res['failed']} failed): "
-            f"{res['tokens_per_s']:,.1f} output tok/s, {res['requests_per_s']:.2f} req/s over {res['seconds']:.1f} s")
+    rows = []
+    for run in res['runs']:
+        ttft, itl = run['ttft_ms'], run['itl_ms']
+        spread = f"{itl['p99'] / itl['p50']:.1f}" if itl['p50'] else None
+        rows.append((run['rate'], f"{run['completed']}/{run['sent']}", run['tokens_per_s'], ttft['p50'], ttft['p99'],
+                     itl['p50'], itl['p99'], itl['max'], spread))
+    return format_table(['req/s', 'done', 'tok/s', 'TTFT p50 ms', 'TTFT p99 ms', 'ITL p50 ms', 'ITL p99 ms', 'ITL max ms',
+                         'ITL p99/p50'], rows)
+
+def _step_cost_table(res: dict) -> str:
+    rows = [(r['prompt_tokens'], r['ms'], f"{r['decode_steps']:.1f}") for r in res['rows']]
+    return (format_table(['prompt tokens in the step', 'ms per step', 'decode steps'], rows) +
+            f"\n{res['decodes']} decodes at context {res['context']} in every step; the median of {res['repeats']}")
 
 def _ablation_table(res: dict) -> str:
     return format_table(['ablation', 'on tok/s', 'off tok/s', 'gain'],
@@ -283,12 +292,42 @@ def decode_sweep(engine, peer=None, batch_sizes: Sequence[int] = (1, 8, 32, 64, 
     for row in rows: row['ceiling_fraction'] = row['nanoserve'] * flops / rate
     return dict(context=context, steps=steps, matmul_flops=rate, flops_per_token=flops, rows=rows)
 
+# %% ../nbs/15_bench.ipynb #4e0f2c11
+def step_cost(engine, budgets: Sequence[int] = (0, 16, 32, 64, 128, 256, 512), decodes: int = 8, context: int = 256,
+              repeats: int = 3, vocab: tuple[int, int] = (100, 10000), seed: int = 0) -> dict:
+    "Time of one step that carries `decodes` decodes (each `context` tokens in) and a fresh prompt's chunk of each budget's tokens."
+    rng = random.Random(seed)
+    sched, saved = engine.scheduler, engine.scheduler.max_num_batched_tokens
+    sp = SamplingParams(temperature=0.0, max_tokens=len(budgets) * repeats + 8, ignore_eos=True)
+    for i in range(decodes): engine.add_request(f'cost-{seed}-{i}', [rng.randrange(*vocab) for _ in range(context)], sp)
+    sched.max_num_batched_tokens = decodes * context
+    while len(sched.running) < decodes: engine.step()   # prefill them all
+    engine.step()
+    rows = []
+    try:
+        for budget in budgets:
+            seconds = []
+            for k in range(repeats):   # a prompt longer than any chunk, new each time: nothing cached, always chunked
+                uid = f'cost-chunk-{seed}-{budget}-{k}'
+                engine.add_request(uid, [rng.randrange(*vocab) for _ in range(max(budgets) + 1)], SamplingParams(max_tokens=1))
+                sched.max_num_batched_tokens = decodes + budget
+                start = time.perf_counter()
+                engine.step()
+                seconds.append(time.perf_counter() - start)
+                engine.abort(uid)
+            rows.append(dict(prompt_tokens=budget, ms=1e3 * statistics.median(seconds)))
+    finally: sched.max_num_batched_tokens = saved
+    while engine.has_unfinished: engine.step()
+    for row in rows: row['decode_steps'] = row['ms'] / rows[0]['ms']
+    return dict(decodes=decodes, context=context, repeats=repeats, rows=rows)
+
 # %% ../nbs/15_bench.ipynb #3b06a3e6
 def _percentiles(xs: Sequence[float]) -> dict:
-    "Mean, median and 99th percentile of `xs`."
+    "Mean, median, 99th percentile and maximum of `xs`."
     xs = sorted(xs)
-    if not xs: return dict(mean=None, p50=None, p99=None)
-    return dict(mean=statistics.fmean(xs), p50=statistics.median(xs), p99=xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)])
+    if not xs: return dict(mean=None, p50=None, p99=None, max=None)
+    p99 = xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)]
+    return dict(mean=statistics.fmean(xs), p50=statistics.median(xs), p99=p99, max=xs[-1])
 
 def scheduler_overhead(batch_size: int = 256, steps: int = 32, prompt_len: int = 64, page_size: int = 16,
                        enable_prefix_caching: bool = True, seed: int = 0) -> dict:
@@ -355,7 +394,9 @@ def stream_completion(url: str, payload: dict, timeout: float = 300.0) -> Stream
     try:
         conn.request('POST', '/v1/completions', body=body, headers={'Content-Type': 'application/json'})
         resp = conn.getresponse()
-        if resp.status != 200: res.error = f'HTTP {resp.status}: {resp.read()[:200]!r}'; return res
+        if resp.status != 200:
+            res.error = f'HTTP {resp.status}: {resp.read()[:200]!r}'
+            return res
         for line in resp:
             if not line.startswith(b'data: '): continue
             data = line[6:].strip()
@@ -368,41 +409,52 @@ def stream_completion(url: str, payload: dict, timeout: float = 300.0) -> Stream
     finally: conn.close()
     return res
 
-def online_metrics(results: Sequence[StreamResult], seconds: float) -> dict:
-    "Throughput and latency (TTFT, inter-token, time per output token, end-to-end) of finished streams; times in ms."
-    ok = [r for r in results if r.error is None and r.end is not None and r.chunk_times]
+def online_metrics(results: Sequence[StreamResult | None], start: float, seconds: float) -> dict:
+    "Throughput and latency (TTFT, inter-token, time per output token, end-to-end) of finished streams, times in ms; and every stream's chunk times (s, from `start`)."
+    ok = [r for r in results if r is not None and r.error is None and r.end is not None and r.chunk_times]
     ms = lambda xs: {k: None if v is None else 1e3 * v for k, v in _percentiles(xs).items()}
     tokens = sum(r.output_tokens for r in ok)
+    streams = [None if r not in ok else dict(sent=r.start - start, chunks=[t - start for t in r.chunk_times]) for r in results]
     return dict(completed=len(ok), failed=len(results) - len(ok), seconds=seconds, output_tokens=tokens,
                 tokens_per_s=tokens / seconds if seconds > 0 else None, requests_per_s=len(ok) / seconds if seconds > 0 else None,
                 ttft_ms=ms([r.ttft for r in ok]), itl_ms=ms([x for r in ok for x in r.itls]),
                 tpot_ms=ms([(r.end - r.chunk_times[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
-                e2e_ms=ms([r.end - r.start for r in ok]))
+                e2e_ms=ms([r.end - r.start for r in ok]), streams=streams)
 
 def run_online(url: str, workload: Workload, rate: float, max_duration: float = 120.0, model: str = 'model',
                seed: int = 0) -> dict:
     "Send `workload` to a running server with Poisson arrivals at `rate`/s; requests not sent within `max_duration` s are dropped."
     arrivals = poisson_arrivals(workload.num_requests, rate, seed)
-    results: list[StreamResult] = []
+    results: list[StreamResult | None] = [None] * workload.num_requests
     threads, start = [], time.perf_counter()
-    def send(prompt, n):
-        results.append(stream_completion(url, dict(model=model, prompt=prompt, max_tokens=n, temperature=0.0, ignore_eos=True),
-                                         timeout=max_duration + 60))
-    for at, prompt, n in zip(arrivals, workload.prompts, workload.output_lens):
+    def send(i, prompt, n):
+        payload = dict(model=model, prompt=prompt, max_tokens=n, temperature=0.0, ignore_eos=True)
+        results[i] = stream_completion(url, payload, timeout=max_duration + 60)
+    for i, (at, prompt, n) in enumerate(zip(arrivals, workload.prompts, workload.output_lens)):
         if at > max_duration: break
         time.sleep(max(0.0, start + at - time.perf_counter()))
-        th = threading.Thread(target=send, args=(prompt, n), daemon=True); th.start(); threads.append(th)
-    for th in threads: th.join(timeout=max(1.0, start + max_duration + 60 - time.perf_counter()))
-    seconds = max((r.end for r in results if r.end is not None), default=start) - start
-    return dict(rate=rate, sent=len(threads), **online_metrics(list(results), seconds))
+        thread = threading.Thread(target=send, args=(i, prompt, n), daemon=True)
+        thread.start()
+        threads.append(thread)
+    for thread in threads: thread.join(timeout=max(1.0, start + max_duration + 60 - time.perf_counter()))
+    sent = results[:len(threads)]
+    seconds = max((r.end for r in sent if r is not None and r.end is not None), default=start) - start
+    return dict(rate=rate, sent=len(threads), **online_metrics(sent, start, seconds))
 
-def online_benchmark(model: str, workload: Workload, rate: float, max_duration: float = 120.0, seed: int = 0,
-                     **engine_kwargs) -> dict:
-    "Start the server on loopback (`ServerProcess`), warm it up, send `workload` at `rate`/s, stop it."
+def served_model(url: str) -> str:
+    "The first model a running OpenAI-compatible server lists."
+    with urllib.request.urlopen(url.rstrip('/') + '/v1/models', timeout=30) as r: return json.loads(r.read())['data'][0]['id']
+
+def online_benchmark(model: str, workload: Workload, rates: Sequence[float], max_duration: float = 120.0, seed: int = 0,
+                     url: str | None = None, **engine_kwargs) -> dict:
+    "Send `workload` at each rate in turn: to the server at `url`, or to one started on loopback (`ServerProcess`) and warmed up."
+    if url is not None:
+        runs = [run_online(url, workload, rate, max_duration, served_model(url), seed) for rate in rates]
+        return dict(url=url, runs=runs)
     from nanoserve.server import ServerProcess
     with ServerProcess(model, served_model_name='bench', **engine_kwargs) as server:
         stream_completion(server.url, dict(model='bench', prompt=workload.prompts[0][:8], max_tokens=2))   # warm-up
-        return run_online(server.url, workload, rate, max_duration, 'bench', seed)
+        return dict(runs=[run_online(server.url, workload, rate, max_duration, 'bench', seed) for rate in rates])
 
 # %% ../nbs/15_bench.ipynb #30cb6218
 def ablations(model: str, random_wl: Workload, shared_wl: Workload, **engine_kwargs) -> dict:
@@ -433,6 +485,32 @@ def plot_decode_sweep(sweep: dict, path: str | Path, title: str = 'decode throug
     ax.set_xscale('log', base=2); ax.set_xticks(bs, [str(b) for b in bs])
     ax.set_xlabel('batch size'); ax.set_ylabel('output tokens / s'); ax.set_title(title); ax.legend(); ax.grid(alpha=0.3)
     fig.tight_layout(); fig.savefig(path)
+    return Path(path)
+
+def longest_gap_stream(run: dict) -> int:
+    "The index of the stream of an online run that waited longest between two of its chunks."
+    def gap(s): return max((b - a for a, b in zip(s['chunks'], s['chunks'][1:])), default=0.0) if s else -1.0
+    return max(range(len(run['streams'])), key=lambda i: gap(run['streams'][i]))
+
+def plot_stream_times(runs: dict[str, dict], path: str | Path, index: int | None = None, title: str | None = None) -> Path:
+    "A PNG of one stream's chunks against time since it was sent, in each online run (by label): stalls show as flat steps."
+    Figure = _figure()
+    runs = dict(runs)
+    index = longest_gap_stream(next(iter(runs.values()))) if index is None else index
+    fig = Figure(figsize=(6, 3.6), dpi=100)
+    ax = fig.add_subplot()
+    for label, run in runs.items():
+        stream = run['streams'][index]
+        if stream is None: continue
+        times = [0.0] + [t - stream['sent'] for t in stream['chunks']]
+        ax.step(times, range(len(times)), where='post', label=label)
+    ax.set_xlabel('seconds since the request was sent')
+    ax.set_ylabel('chunks received')
+    ax.set_title(title or f'stream {index}: its tokens as they arrive')
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
     return Path(path)
 
 def plot_ablations(abl: dict, path: str | Path, title: str = 'ablations') -> Path:
@@ -543,9 +621,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--plot', metavar='PNG', help='also plot the ablations')
     p = command('online', 'Poisson arrivals against a running server: TTFT, inter-token latency, throughput')
     _model_args(p, peer=False)
-    p.add_argument('--rate', type=float, default=2.0, help="requests per second; 'inf' sends all at once (default: 2)")
+    p.add_argument('--rate', type=float, nargs='+', default=[2.0],
+                   help="requests per second, one run for each rate given (a sweep); 'inf' sends all at once (default: 2)")
     p.add_argument('--max-duration', type=float, default=120.0, help='stop sending after this many seconds (default: 120)')
+    p.add_argument('--url', help='benchmark the OpenAI-compatible server already running there instead (engine flags unused)')
+    p.add_argument('--plot', metavar='PNG', help="also plot the token times of the stream with the longest gap")
     _random_args(p, num_requests=32, output_len=(32, 128))
+    p = command('step-cost', "one step's time against the prompt tokens it carries beside a few decodes (the step budget)")
+    _model_args(p, peer=False)
+    p.add_argument('--budgets', type=int, nargs='+', default=[0, 16, 32, 64, 128, 256, 512], help='prompt tokens per step')
+    p.add_argument('--decodes', type=int, default=8, help='decodes in every step (default: 8)')
+    p.add_argument('--context', type=int, default=256, help="the decodes' context (default: 256)")
+    p.add_argument('--repeats', type=int, default=3, help='steps timed per budget, the median kept (default: 3)')
     p = command('scheduler', 'host time per decode step with the fake runner (no model)')
     p.add_argument('--batch-size', type=int, default=256)
     p.add_argument('--steps', type=int, default=32)
@@ -571,15 +658,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError as e: parser.error(f'--plot: {e}')
     if args.threads: torch.set_num_threads(args.threads); os.environ['OMP_NUM_THREADS'] = str(args.threads)   # (and the server's)
     res, kind = dict(benchmark=args.bench, argv=list(argv or sys.argv[1:]), environment=environment()), args.bench
-    if kind in ('random', 'shared-prefix', 'decode', 'ablations', 'online'):
+    if kind in ('random', 'shared-prefix', 'decode', 'ablations', 'online', 'step-cost'):
         engine_kwargs = dataclass_kwargs(args, _ENGINE_FLAGS)
         try: EngineConfig(model=args.model, **engine_kwargs)      # range errors first, before a model is converted or loaded
         except ValueError as e: parser.error(str(e))
         model = resolve_model(args.model, verbose=True)
         vocab = _vocab(model)
-    if kind in ('random', 'shared-prefix', 'decode'):
+    if kind in ('random', 'shared-prefix', 'decode', 'step-cost'):
         engine = make_engine(EngineConfig(model=model, **engine_kwargs))
-        peer = None if args.no_peer else load_transformers(model, engine.worker.dtype)
+        peer = None if kind == 'step-cost' or args.no_peer else load_transformers(model, engine.worker.dtype)
     if kind == 'random':
         wl = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
         res.update(compare(engine, peer, wl)); text = _compare_table(res)
@@ -597,7 +684,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plot: plot_ablations(abl, args.plot, f'{Path(model).name} ablations')
     elif kind == 'online':
         wl = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
-        res.update(online_benchmark(model, wl, args.rate, args.max_duration, args.seed, **engine_kwargs)); text = _latency_table(res)
+        res.update(online_benchmark(model, wl, args.rate, args.max_duration, args.seed, args.url, **engine_kwargs))
+        text = _latency_table(res)
+        if args.plot: plot_stream_times({f"{run['rate']}/s": run for run in res['runs']}, args.plot)
+    elif kind == 'step-cost':
+        res.update(step_cost(engine, args.budgets, args.decodes, args.context, args.repeats, vocab, args.seed))
+        text = _step_cost_table(res)
     elif kind == 'scheduler':
         res.update(scheduler_overhead(args.batch_size, args.steps, args.prompt_len, seed=args.seed)); text = _scheduler_table(res)
     else:

@@ -125,7 +125,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = 2.0      # KV pool size on a CPU, when `num_pages` is None
     max_model_len: int | None = None     # longest prompt + output; None: the model's maximum
     max_running_requests: int = 256      # page-table rows: the most requests in flight
-    max_num_batched_tokens: int | None = None  # positions a step computes, decodes first; None: the device's default
+    max_num_batched_tokens: int | None = None  # positions a step computes, decodes first; None: see default_num_batched_tokens
     batch_policy: str = 'mixed'          # 'mixed', 'prefill-first' or 'decode-first' (chapter 05)
     decode_reserve_ratio: float = 0.5    # fraction of running requests' remaining tokens held back at admission
     enable_prefix_caching: bool = True   # share KV of common prefixes through the radix cache
@@ -168,9 +168,10 @@ def resolve_device(device: str = 'auto') -> torch.device:
         raise ValueError(f'device: {device!r} was asked for, but torch sees no CUDA device')
     return torch.device(device)
 
-def default_num_batched_tokens(device: torch.device) -> int:
-    "The step token budget when `max_num_batched_tokens` is None: small on a CPU, large on a GPU (chapter 15)."
-    return 256 if device.type == 'cpu' else 8192
+def default_num_batched_tokens(device: torch.device, serving: bool = False) -> int:
+    "The step token budget when `max_num_batched_tokens` is None: large offline; for serving, by device (chapter 15)."
+    if not serving: return 8192
+    return 32 if device.type == 'cpu' else 2048
 
 def resolve_dtype(dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     "The compute dtype: `dtype` itself, or for 'auto' fp32 on a CPU and half precision on a GPU."

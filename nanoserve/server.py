@@ -352,10 +352,13 @@ class TokenizerWorker:
 
 # %% ../nbs/14_server.ipynb #bbdd9f0d
 def build_engine(model: str, **engine_kwargs):
-    "The scheduler process's engine: `Engine` on one device (the place where a tensor-parallel engine is built instead)."
-    from nanoserve.config import EngineConfig
+    "The scheduler process's engine (`make_engine`), with a server's step budget unless one is given."
+    from nanoserve.config import EngineConfig, default_num_batched_tokens, resolve_device
     from nanoserve.llm import make_engine
-    return make_engine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
+    config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
+    if config.max_num_batched_tokens is None:   # streams are watched: short steps (chapter 15)
+        config.max_num_batched_tokens = default_num_batched_tokens(resolve_device(config.device), serving=True)
+    return make_engine(config)
 
 def _log(msg: str): print(f'nanoserve: {msg}', file=sys.stderr, flush=True)
 
