@@ -96,6 +96,13 @@ class Ref:
 
     def token_strs(self, prompt, n: int) -> list[str]: return [self.tok.decode([t]) for t in self.greedy(prompt, n)]
 
+    def greedy_logprobs(self, prompt, n: int) -> list[float]:
+        "The logprob of each of the first `n` greedy tokens, from one forward pass over prompt and tokens."
+        ids, toks = self.ids(prompt), self.greedy(prompt, n)
+        with self.torch.no_grad():
+            logits = self.model(self.torch.tensor([ids + toks])).logits[0, len(ids) - 1:-1]
+        return logits.log_softmax(-1).gather(1, self.torch.tensor(toks)[:, None])[:, 0].tolist()
+
 @pytest.fixture(scope='module')
 def ref(model_dir): return Ref(model_dir)
 
@@ -762,3 +769,46 @@ def test_one_request_fails_alone(model_dir, ref):
         assert httpx.get(s.url + '/health', timeout=10).status_code == 200 and _state(s)['fatal'] is None
     finally:
         _retire(s)
+
+# -- 8. logprobs under retraction ------------------------------------------------------------------------------------
+async def _logprob_stream(c: httpx.AsyncClient, url: str, body: dict) -> dict:
+    "A streamed completion's tokens and top logprobs, chunk by chunk, as a client assembles them."
+    out = {'tokens': [], 'token_logprobs': [], 'top_logprobs': [], 'text': ''}
+    async with c.stream('POST', url + '/v1/completions', json={**body, 'stream': True}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith('data: ') or line == 'data: [DONE]': continue
+            for ch in json.loads(line[6:])['choices']:
+                out['text'] += ch['text']
+                for key in ('tokens', 'token_logprobs', 'top_logprobs'): out[key] += (ch.get('logprobs') or {}).get(key) or []
+    return out
+
+def test_logprobs_aligned_under_retraction(model_dir, ref):
+    """Overlap on and a pool too small for the load: requests are retracted while a step that includes them is in flight.
+    Streamed and final logprobs stay aligned with the tokens: one entry per token, the greedy token the top-1 of its own."""
+    s = _serve(model_dir, integrity_check='raise', device='cpu', page_size=16, num_pages=6)   # 96 slots, 4 requests of 44
+    try:
+        before = _metric(s, 'nanoserve:num_preemptions_total')
+        prompts = [[1, 5 + i, 7, 9] for i in range(4)]
+        bodies = [{'model': 'tiny', 'prompt': p, 'max_tokens': 40, 'temperature': 0, 'ignore_eos': True, 'logprobs': 1} for p in prompts]
+        async def run(stream: bool):
+            _inject(s, stall=1.0)                            # the scheduler pauses: all the requests start in one step
+            async with httpx.AsyncClient(timeout=120) as c:
+                calls = [_logprob_stream(c, s.url, b) if stream else c.post(s.url + '/v1/completions', json=b) for b in bodies]
+                return await asyncio.wait_for(asyncio.gather(*calls), 300)
+        streamed, final = asyncio.run(run(True)), asyncio.run(run(False))
+        assert _metric(s, 'nanoserve:num_preemptions_total') > before, 'the load did not force a retraction'
+        for p, st, r in zip(prompts, streamed, final):
+            assert r.status_code == 200, r.text
+            lp = r.json()['choices'][0]['logprobs']
+            want = ref.greedy_logprobs(p, 40)
+            for got in (st, lp):
+                assert got['tokens'] == ref.token_strs(p, 40), p
+                assert len(got['token_logprobs']) == len(got['top_logprobs']) == 40, p
+                for token, top in zip(got['tokens'], got['top_logprobs']): assert list(top) == [token], (p, token, top)
+                assert max(abs(a - b) for a, b in zip(got['token_logprobs'], want)) < 1e-4, p   # each entry is its own token's
+            assert max(abs(a - b) for a, b in zip(st['token_logprobs'], lp['token_logprobs'])) < 1e-4
+        _idle_and_whole(s)
+        _retire(s)
+    finally:
+        s.stop(signal.SIGKILL)
