@@ -19,7 +19,7 @@ from .cpu_kernels import zeros_huge
 from .sampling import SampleOutput, Sampler, SamplingBatch
 
 # %% auto #0
-__all__ = ['local_kv_heads', 'kv_bytes_per_page', 'num_kv_pages', 'step_output', 'Worker', 'make_scheduler', 'Engine',
+__all__ = ['local_kv_heads', 'kv_bytes_per_page', 'num_kv_pages', 'step_output', 'run_step', 'Worker', 'make_scheduler', 'Engine',
            'save_tiny_model']
 
 # %% ../nbs/10_engine.ipynb #7052e94c
@@ -54,6 +54,11 @@ def step_output(batch: Batch, out: SampleOutput | None, tokens: list[int]) -> St
     for i, token, logprobs in zip(batch.sample_rows, tokens, out.host_logprobs()):
         output.tokens[i], output.logprobs[i] = token, logprobs
     return output
+
+def run_step(runner, batch: Batch) -> StepOutput:
+    "Compute and sample a launched batch with `runner` (a worker, or chapter 12's leader), and read its tokens back."
+    out = runner.sample(batch, runner.compute_logits(batch))
+    return step_output(batch, out, out.tokens.tolist() if out is not None else [])
 
 # %% ../nbs/10_engine.ipynb #860e6be9
 class Worker:
@@ -94,8 +99,7 @@ class Worker:
     @torch.inference_mode()
     def forward(self, batch: Batch) -> StepOutput:
         "Run a launched batch: a token per request (-1 where it samples nothing), with the logprobs each asked for."
-        out = self.sample(batch, self.compute_logits(batch))
-        return step_output(batch, out, out.tokens.tolist() if out is not None else [])
+        return run_step(self, batch)
 
     @torch.inference_mode()
     def compute_logits(self, batch: Batch) -> torch.Tensor | None:
@@ -115,14 +119,14 @@ class Worker:
         reqs = [batch.reqs[i] for i in batch.sample_rows]
         params = SamplingBatch.from_reqs(reqs, logits.shape[-1], self.device, self.model_config.eos_token_ids, self.table.tokens)
         out = self.sampler.sample(logits, params)
-        self.write_tokens(reqs, out.tokens)
+        self.write_tokens(batch, out.tokens)
         return out
 
-    def write_tokens(self, reqs: list[Req], tokens: torch.Tensor):
-        "Put sampled tokens into the token pool, at the position each launch reserved (`device_len - 1`), on the device."
-        rows = torch.tensor([r.table_idx for r in reqs], device=self.device)
-        cols = torch.tensor([r.device_len - 1 for r in reqs], device=self.device)
-        self.table.tokens[rows, cols] = tokens.to(self.table.tokens.dtype)
+    def write_tokens(self, batch: Batch, tokens: torch.Tensor):
+        "Put the sampled tokens into the token pool, on the device, at the position after each sampling request's last."
+        rows = torch.tensor([batch.reqs[i].table_idx for i in batch.sample_rows], device=self.device)
+        cols = torch.tensor([batch.start_lens[i] + batch.extend_lens[i] for i in batch.sample_rows], device=self.device)
+        self.table.tokens[rows, cols] = tokens.to(self.table.tokens.dtype)   # the positions the launch reserved
 
 # %% ../nbs/10_engine.ipynb #9127f3dd
 def make_scheduler(config: EngineConfig, worker: Worker, runner: ModelRunner) -> Scheduler:

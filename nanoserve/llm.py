@@ -12,7 +12,7 @@ from .config import EngineConfig
 from .req import FinishReason, Req, SamplingParams
 from .engine import Engine
 from .overlap import OverlapEngine
-from .tp import TPEngine
+from .tp import OverlapTPEngine, TPEngine
 
 # %% auto #0
 __all__ = ['IncrementalDetokenizer', 'CompletionOutput', 'RequestOutput', 'make_engine', 'LLM']
@@ -97,8 +97,8 @@ class RequestOutput:
 
 # %% ../nbs/13_llm.ipynb #479f04d6
 def make_engine(config: EngineConfig) -> Engine:
-    "The engine for `config`: tensor-parallel ranks when `tensor_parallel_size > 1`, else overlapped unless `enable_overlap` is off."
-    if config.tensor_parallel_size > 1: return TPEngine(config)
+    "The engine for `config`: tensor-parallel ranks when `tensor_parallel_size > 1`; overlapped unless `enable_overlap` is off."
+    if config.tensor_parallel_size > 1: return (OverlapTPEngine if config.enable_overlap else TPEngine)(config)
     return (OverlapEngine if config.enable_overlap else Engine)(config)
 
 # %% ../nbs/13_llm.ipynb #f116b443

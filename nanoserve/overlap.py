@@ -28,14 +28,14 @@ class StepHandle:
         if self.done is not None: self.done.synchronize()
         return step_output(self.batch, self.out, self.host_tokens.tolist() if self.out is not None else [])
 
-def launch_step(worker: Worker, batch: Batch, stream: torch.cuda.Stream | None = None) -> StepHandle:
-    "Launch a batch's forward pass and sampling; return without waiting for the tokens."
+def launch_step(runner: Worker, batch: Batch, stream: torch.cuda.Stream | None = None) -> StepHandle:
+    "Launch a batch's forward pass and sampling with `runner` (a worker, or chapter 12's leader); do not wait for the tokens."
     if stream is None:   # a CPU: the step runs now, and its tokens are on the host already
-        with torch.inference_mode(): out = worker.sample(batch, worker.compute_logits(batch))
+        with torch.inference_mode(): out = runner.sample(batch, runner.compute_logits(batch))
         return StepHandle(batch, out, out.tokens if out is not None else None)
     stream.wait_stream(torch.cuda.current_stream())    # see this step's table/pool copies
     with torch.inference_mode(), torch.cuda.stream(stream):
-        out = worker.sample(batch, worker.compute_logits(batch))
+        out = runner.sample(batch, runner.compute_logits(batch))
         if out is None: return StepHandle(batch, None, None)
         host = torch.empty(out.tokens.shape, dtype=out.tokens.dtype, pin_memory=True)
         host.copy_(out.tokens, non_blocking=True)
@@ -63,7 +63,7 @@ class OverlapEngine(Engine):
         batch = self.scheduler.schedule()   # None also when it must first see what the step in flight frees
         if batch is not None:
             self.scheduler.launch(batch)
-            handle = launch_step(self.worker, batch, self.forward_stream)
+            handle = launch_step(self.scheduler.runner, batch, self.forward_stream)
         out = self._process_in_flight()
         if batch is not None: self._in_flight = handle
         return out

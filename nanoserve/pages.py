@@ -76,7 +76,8 @@ class PageTable:
         self.tokens = torch.zeros((max_running_requests + 1, self.max_len), dtype=torch.int32, device=self.device)
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
         self._dirty: set[int] = set()
-        self._token_writes: list[tuple[int, int, list[int]]] = []
+        self._token_writes: list[tuple[int, int, list[int]]] = []   # (row, start, ids) since the last sync
+        self.synced_token_writes: list[tuple[int, int, list[int]]] = []   # those of the last sync (mirrored, chapter 12)
 
     @property
     def num_free_rows(self) -> int: return len(self._free_rows)
@@ -97,9 +98,9 @@ class PageTable:
         self.host[row, start:start + len(locs)] = locs; self._dirty.add(row)
 
     def write_tokens(self, row: int, start: int, ids: list[int]):
-        "Set the token pool's positions `[start, start + len(ids))` of `row` to `ids` (applied at the next `sync`)."
+        "Set the token pool's positions `[start, start + len(ids))` of `row` to `ids` (on a GPU at the next `sync`)."
         if self.device.type == 'cpu': self.tokens[row, start:start + len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        else: self._token_writes.append((row, start, list(ids)))
+        self._token_writes.append((row, start, list(ids)))
 
     def allocate(self, row: int, start: int, end: int, pages: list[int]):
         "Fill `row` for positions `[start, end)` with the request's new `pages`."
@@ -132,9 +133,10 @@ class PageTable:
         if self.table is not self.host and self._dirty:
             rows = torch.tensor(sorted(self._dirty))
             self.table[rows.to(self.device)] = self.host[rows].to(self.device, non_blocking=True)
-        if self._token_writes:
+        if self._token_writes and self.device.type != 'cpu':   # (a CPU pool took them at once)
             rows = torch.tensor([r for r, s, ids in self._token_writes for _ in ids])
             cols = torch.tensor([s + i for r, s, ids in self._token_writes for i in range(len(ids))])
             vals = torch.tensor([t for r, s, ids in self._token_writes for t in ids], dtype=torch.int32)
             self.tokens[rows.to(self.device), cols.to(self.device)] = vals.to(self.device, non_blocking=True)
-        self._dirty.clear(); self._token_writes.clear()
+        self._dirty.clear()
+        self.synced_token_writes, self._token_writes = self._token_writes, []

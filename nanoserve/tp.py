@@ -4,7 +4,7 @@
 
 # %% ../nbs/12_tp.ipynb #b32aeb8e
 from __future__ import annotations
-import dataclasses, datetime, gc, multiprocessing, os, signal, socket, time, traceback
+import contextlib, dataclasses, datetime, gc, multiprocessing, os, signal, socket, time, traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Mapping, Sequence
@@ -14,11 +14,12 @@ from .config import EngineConfig, resolve_device
 from .req import Batch
 from .pages import PageTable
 from .scheduler import StepOutput
-from .engine import Engine, Worker, make_scheduler
+from .engine import Engine, Worker, make_scheduler, run_step
+from .overlap import OverlapEngine
 
 # %% auto #0
 __all__ = ['TPError', 'TPGroup', 'LocalRank', 'dead_ranks', 'init_distributed', 'StepMessage', 'PageTableMirror', 'Follower',
-           'run_follower', 'TPLeader', 'start_ranks', 'TPEngine']
+           'run_follower', 'TPLeader', 'start_ranks', 'TPEngine', 'OverlapTPEngine']
 
 # %% ../nbs/12_tp.ipynb #164a10ec
 class TPError(RuntimeError):
@@ -106,79 +107,68 @@ def init_distributed(device: str = 'auto',                 # the engine's device
 _STEP, _SHUTDOWN = 1, 2
 _PHASES = ('prefill', 'decode', 'mixed')
 
-class _StepIds:
-    "The token ids of one request's positions `[start, start + len(ids))`: all a follower knows of it, all the forward reads."
-    def __init__(self, start: int, ids: list[int]): self.start, self.ids = start, ids
-    def __getitem__(self, k: slice) -> list[int]:
-        assert k.start == self.start and k.stop == self.start + len(self.ids), 'a follower knows only the positions computed this step'
-        return self.ids
-
 @dataclass
 class _FollowerReq:
-    "A request as a follower sees it: a page-table row and this step's token ids."
-    # NOTE: this is all `build_metadata` reads of a request; what the worker's forward reads must come from the message.
+    "A request as a follower sees it: its page-table row, all that `build_metadata` reads of a request."
     table_idx: int
-    input_ids: _StepIds
 
 @dataclass
 class StepMessage:
-    "What rank 0 tells the other ranks before a step: the batch, and the page-table entries that changed."
+    "What rank 0 tells the other ranks before a step: the batch, and what changed in its page table and token pool."
     phase: str                  # 'prefill', 'decode' or 'mixed'
     rows: list[int]             # page-table row of each request
     start_lens: list[int]       # positions cached before the step
     extend_lens: list[int]      # positions computed by the step
     samples: list[bool]         # whether each request samples a token (its last position goes through the LM head)
-    input_ids: list[int]        # token ids of the positions computed, request after request
-    updates: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # (row, start, token locations) to write
+    token_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, start, ids) rank 0's host wrote
+    updates: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)    # (row, start, token locations) to write
 
-    HEADER = 6                  # kind, phase, requests, tokens, updates, locations in the updates
+    HEADER = 6                  # kind, phase, requests, token writes, page-table updates, values in both
 
     @classmethod
-    def from_batch(cls, batch: Batch, updates: list[tuple[int, int, torch.Tensor]]) -> StepMessage:
+    def from_batch(cls, batch: Batch, token_writes: list[tuple[int, int, list[int]]],
+                   updates: list[tuple[int, int, torch.Tensor]]) -> StepMessage:
         "The message for a launched batch."
-        ids = [t for r, s, n in zip(batch.reqs, batch.start_lens, batch.extend_lens) for t in r.input_ids[s:s + n]]
         return cls(batch.phase, [r.table_idx for r in batch.reqs], list(batch.start_lens), list(batch.extend_lens),
-                   list(batch.samples), ids, updates)
+                   list(batch.samples), list(token_writes), updates)
 
     def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
-        "The int32 header and payload."
-        locs = [u[2] for u in self.updates]
-        header = [_STEP, _PHASES.index(self.phase), len(self.rows), len(self.input_ids), len(locs), sum(len(l) for l in locs)]
-        ints = (self.rows + self.start_lens + self.extend_lens + [int(s) for s in self.samples] + self.input_ids
-                + [u[0] for u in self.updates] + [u[1] for u in self.updates] + [len(l) for l in locs])
-        return torch.tensor(header, dtype=torch.int32), torch.cat([torch.tensor(ints, dtype=torch.int32), *[l.to(torch.int32) for l in locs]])
+        "The int32 header and payload: the batch, then every span's row, start and length, then their values."
+        spans = [(row, start, torch.tensor(ids, dtype=torch.int32)) for row, start, ids in self.token_writes] + self.updates
+        values = [v.to(torch.int32) for _, _, v in spans]
+        header = [_STEP, _PHASES.index(self.phase), len(self.rows), len(self.token_writes), len(self.updates), sum(map(len, values))]
+        ints = self.rows + self.start_lens + self.extend_lens + [int(s) for s in self.samples]
+        ints += [row for row, _, _ in spans] + [start for _, start, _ in spans] + [len(v) for v in values]
+        return torch.tensor(header, dtype=torch.int32), torch.cat([torch.tensor(ints, dtype=torch.int32), *values])
 
     @staticmethod
     def payload_size(header: torch.Tensor) -> int:
-        _, _, b, t, u, v = header.tolist()
-        return 4 * b + t + 3 * u + v
+        _, _, b, w, u, v = header.tolist()
+        return 4 * b + 3 * (w + u) + v
 
     @classmethod
     def decode(cls, header: torch.Tensor, payload: torch.Tensor) -> StepMessage:
         "The message back from its header and payload."
-        kind, phase, b, t, u, v = header.tolist()
-        assert kind == _STEP and len(payload) == 4 * b + t + 3 * u + v, 'malformed step message'
-        ints = payload[:4 * b + t + 3 * u].tolist()
+        kind, phase, b, w, u, v = header.tolist()
+        assert kind == _STEP and len(payload) == StepMessage.payload_size(header), 'malformed step message'
+        ints = payload[:4 * b + 3 * (w + u)].tolist()
         rows, starts, lens, samples = (ints[i * b:(i + 1) * b] for i in range(4))
-        rest = ints[4 * b + t:]
-        sizes = rest[2 * u:]
-        locs = payload[4 * b + t + 3 * u:].split(sizes) if u else []
-        return cls(_PHASES[phase], rows, starts, lens, [bool(s) for s in samples], ints[4 * b:4 * b + t],
-                   list(zip(rest[:u], rest[u:2 * u], locs)))
+        spans = ints[4 * b:]
+        n = w + u
+        values = payload[4 * b + 3 * n:].split(spans[2 * n:]) if n else []
+        span_list = list(zip(spans[:n], spans[n:2 * n], values))
+        return cls(_PHASES[phase], rows, starts, lens, [bool(s) for s in samples],
+                   [(row, start, ids.tolist()) for row, start, ids in span_list[:w]], span_list[w:])
 
     def batch(self) -> Batch:
-        "The batch a follower runs: the same rows, lengths and token ids as rank 0's."
-        reqs, offset = [], 0
-        for row, start, n in zip(self.rows, self.start_lens, self.extend_lens):
-            reqs.append(_FollowerReq(row, _StepIds(start, self.input_ids[offset:offset + n]))); offset += n
+        "The batch a follower runs: the same rows and lengths as rank 0's."
+        reqs = [_FollowerReq(row) for row in self.rows]
         return Batch(reqs, self.phase, list(self.extend_lens), list(self.start_lens), list(self.samples), [0] * len(reqs))
 
     def apply(self, table: PageTable):
-        "Write the step's page-table changes, and its input ids into the token pool, on a follower's table."
+        "Write the step's page-table changes, and rank 0's host writes to the token pool, on a follower's table."
         for row, start, locs in self.updates: table.write(row, start, locs)
-        offset = 0
-        for row, start, n in zip(self.rows, self.start_lens, self.extend_lens):
-            table.write_tokens(row, start, self.input_ids[offset:offset + n]); offset += n
+        for row, start, ids in self.token_writes: table.write_tokens(row, start, ids)
 
 # %% ../nbs/12_tp.ipynb #f6668978
 class PageTableMirror:
@@ -208,7 +198,7 @@ class Follower:
     def __init__(self, worker: Worker, group: TPGroup):
         self.worker, self.group = worker, group
         self.num_steps = 0
-        self.last_tokens: list[int] = []   # what rank 0 sampled in the last step
+        self.stream = torch.cuda.Stream(worker.device) if worker.device.type == 'cuda' else None   # as rank 0's forward stream
 
     def receive(self) -> StepMessage | None:
         "Wait for rank 0's next message; None means shut down."
@@ -220,14 +210,18 @@ class Follower:
         return StepMessage.decode(header, payload)
 
     def step(self, msg: StepMessage):
-        "Mirror the page-table writes, run the same forward pass as rank 0, and take the tokens it sampled."
+        "Mirror rank 0's writes, run the same forward pass, and put the tokens rank 0 sampled into this rank's pool."
         msg.apply(self.worker.table)
         self.worker.table.sync()
         batch = msg.batch()
-        self.worker.compute_logits(batch)
-        tokens = torch.empty(batch.size, dtype=torch.int64)
-        dist.broadcast(tokens, 0, group=self.group.control)
-        self.last_tokens = tokens.tolist(); self.num_steps += 1
+        if self.stream is not None: self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            self.worker.compute_logits(batch)
+            if batch.sample_rows:
+                tokens = torch.empty(len(batch.sample_rows), dtype=torch.int64, device=self.worker.device)
+                dist.broadcast(tokens, 0)   # the model's group: device to device, in stream order
+                self.worker.write_tokens(batch, tokens)
+        self.num_steps += 1
 
     def run(self):
         "Follow rank 0 until it says stop."
@@ -268,20 +262,32 @@ class TPLeader:
             f'tensor-parallel step failed on rank 0: {type(e).__name__}: {e}\n'
             f'(a rank died, or did not answer within {self.group.timeout_s} s); the ranks are out of step, close the engine')
 
-    def forward(self, batch: Batch) -> StepOutput:
-        "Run a launched batch on every rank; rank 0's sampled tokens and logprobs."
+    def compute_logits(self, batch: Batch) -> torch.Tensor | None:
+        "Announce a launched batch to the other ranks, then run it on this rank's shard (their collectives meet ours)."
         self.check()
         try:
             ends = [s + n for s, n in zip(batch.start_lens, batch.extend_lens)]
-            msg = StepMessage.from_batch(batch, self.mirror.updates([r.table_idx for r in batch.reqs], ends))
-            for t in msg.encode(): self._send(t)
-            output = self.worker.forward(batch)
-            self._send(torch.tensor(output.tokens, dtype=torch.int64))
+            updates = self.mirror.updates([r.table_idx for r in batch.reqs], ends)
+            for t in StepMessage.from_batch(batch, self.worker.table.synced_token_writes, updates).encode(): self._send(t)
+            return self.worker.compute_logits(batch)
+        except Exception as e:
+            self.error = self.failure(e)
+            raise self.error from e
+
+    def sample(self, batch: Batch, logits: torch.Tensor | None):
+        "Sample on rank 0, and send the tokens to the other ranks' token pools, device to device."
+        try:
+            out = self.worker.sample(batch, logits)
+            if out is not None: dist.broadcast(out.tokens, 0)
         except Exception as e:
             self.error = self.failure(e)
             raise self.error from e
         self.num_steps += 1
-        return output
+        return out
+
+    def forward(self, batch: Batch) -> StepOutput:
+        "Run a launched batch on every rank; rank 0's sampled tokens and logprobs."
+        return run_step(self, batch)
 
     def shutdown(self):
         "Tell the followers to exit."
@@ -366,3 +372,7 @@ class TPEngine(Engine):
 
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
+
+# %% ../nbs/12_tp.ipynb #2f8a6c31
+class OverlapTPEngine(OverlapEngine, TPEngine):
+    "Tensor parallelism with chapter 11's overlap loop: rank 0 schedules and announces step N+1 while every rank runs step N."
