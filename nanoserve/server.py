@@ -24,7 +24,7 @@ __all__ = ['CONTEXT_ERROR', 'MAX_N', 'MAX_PROMPTS', 'SSE_DONE', 'HEARTBEAT_S', '
            'error_from_value', 'StreamOptions', 'CompletionRequest', 'ChatCompletionRequest', 'sampling_params_from',
            'TokenizerWorker', 'build_engine', 'IntegrityError', 'integrity_mode', 'SchedulerWorker', 'sse', 'Choice',
            'ResponseFormat', 'usage_dict', 'ServerMetrics', 'ClientDisconnected', 'unless_disconnected', 'Generation',
-           'Frontend', 'build_app', 'WorkerStartError', 'Workers', 'run_server', 'free_port', 'ServerProcess']
+           'Frontend', 'build_app', 'WorkerStartError', 'Workers', 'run_server']
 
 # %% ../nbs/14_server.ipynb #06efe8b5
 _MESSAGES: dict[str, type] = {}
@@ -1177,49 +1177,3 @@ def run_server(model: str, host: str = '127.0.0.1', port: int = 8000, served_mod
         for sig, h in handlers.items(): signal.signal(sig, h)
     if fatal: raise SystemExit(f'nanoserve: {fatal}')
     _log('stopped')
-
-# %% ../nbs/14_server.ipynb #d5c00802
-def free_port(host: str = '127.0.0.1') -> int:
-    "A TCP port that is free on `host` now."
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-class ServerProcess:
-    "`run_server` in a child process: `with ServerProcess(model, **engine_kwargs) as s: ... s.url ...`."
-    def __init__(self, model: str, host: str = '127.0.0.1', port: int | None = None, startup_timeout: float = 300.0,
-                 stderr=None,      # where the server's log goes (a file object); None: this process's stderr
-                 **kwargs):
-        self.host, self.port, self.stderr = host, port or free_port(host), stderr
-        self.url = f'http://{host}:{self.port}'
-        self.kwargs = dict(model=model, host=host, port=self.port, **kwargs)
-        self.startup_timeout = startup_timeout
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> ServerProcess:
-        "Start the server and wait until it is healthy; `RuntimeError` if it exits or times out first."
-        import urllib.request, urllib.error
-        code = 'import json, sys; from nanoserve.server import run_server; run_server(**json.loads(sys.argv[1]))'
-        self.proc = subprocess.Popen([sys.executable, '-c', code, json.dumps(self.kwargs)], stderr=self.stderr)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None: raise RuntimeError(f'the server exited during startup (exit code {self.proc.returncode})')
-            try:
-                with urllib.request.urlopen(self.url + '/health', timeout=2) as r:
-                    if r.status == 200: return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError): pass
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f'the server did not become healthy within {self.startup_timeout} s')
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
-        "Send `sig` and wait for the exit (SIGKILL after `timeout`); returns the exit code."
-        if self.proc is None or self.proc.poll() is not None: return None if self.proc is None else self.proc.returncode
-        self.proc.send_signal(sig)
-        try: return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill(); self.proc.wait()
-            raise RuntimeError(f'the server did not exit within {timeout} s of signal {sig}') from None
-
-    def __enter__(self): return self.start()
-    def __exit__(self, *exc): self.stop()
