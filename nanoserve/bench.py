@@ -451,7 +451,7 @@ def online_benchmark(model: str, workload: Workload, rates: Sequence[float], max
     if url is not None:
         runs = [run_online(url, workload, rate, max_duration, served_model(url), seed) for rate in rates]
         return dict(url=url, runs=runs)
-    from nanoserve.server import ServerProcess
+    from nanoserve.testing import ServerProcess
     with ServerProcess(model, served_model_name='bench', **engine_kwargs) as server:
         stream_completion(server.url, dict(model='bench', prompt=workload.prompts[0][:8], max_tokens=2))   # warm-up
         return dict(runs=[run_online(server.url, workload, rate, max_duration, 'bench', seed) for rate in rates])

@@ -168,8 +168,7 @@ class LLM:
         by_uid: dict[str, _Seq] = {}
         for (text, ids), sp in zip(prompts, params):
             group = []
-            for k in range(sp.n):
-                sub = sp if sp.n == 1 else _with(sp, n=1, seed=None if sp.seed is None else sp.seed + k)
+            for sub in sp.per_choice():
                 uid = f'llm-{self._counter}'; self._counter += 1
                 s = _Seq(self.engine.add_request(uid, ids, sub), IncrementalDetokenizer(self.tokenizer, ids, sub))
                 group.append(s); by_uid[uid] = s
@@ -195,10 +194,6 @@ class LLM:
             bar.close()
         return [RequestOutput(group[0].req.uid, text, list(ids), [_completion(k, s) for k, s in enumerate(group)], True)
                 for (text, ids), group in zip(prompts, seqs)]
-
-def _with(sp: SamplingParams, **changes) -> SamplingParams:
-    from dataclasses import replace
-    return replace(sp, **changes)
 
 def _completion(index: int, s: _Seq) -> CompletionOutput:
     req, detok = s.req, s.detok

@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_req.ipynb #7df38782
 from __future__ import annotations
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Literal, Sequence
 
@@ -73,6 +73,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         "Whether tokens are picked by argmax."
         return self.temperature == 0.0
+
+    def per_choice(self) -> list[SamplingParams]:
+        "The parameters of each of the `n` choices: one each, and choice `k` of a seeded request seeded `seed + k`."
+        if self.n == 1: return [self]
+        return [replace(self, n=1, seed=None if self.seed is None else self.seed + k) for k in range(self.n)]
 
 # %% ../nbs/01_req.ipynb #4dd47a66
 class FinishReason(str, Enum):

@@ -94,6 +94,7 @@ class Scheduler:
         self.prefix_queries = self.prefix_hits = 0      # prompt tokens admitted / found in the prefix cache
         self._launched = self._processed = 0            # batches launched / whose results were processed
         self._rows_to_free: list[tuple[int, int]] = []  # (launch count when released, row)
+        self._held_pages: list[int] = []                # pages held out of circulation by `hold_pages`
 
     # -- intake --------------------------------------------------------------------------------------------
     def add_request(self, uid, prompt_ids: Sequence[int], params: SamplingParams) -> Req:
@@ -324,6 +325,12 @@ class Scheduler:
         self._rows_to_free = keep
 
     # -- checks --------------------------------------------------------------------------------------------
+    def hold_pages(self, n: int):
+        "Hold `n` pages (as many as can be had) that no request owns, evicting cached ones if need be; 0 returns them."
+        self.allocator.free(self._held_pages)
+        if self.cache is not None and n > self.allocator.num_free: self.cache.evict(n - self.allocator.num_free)
+        self._held_pages = self.allocator.allocate(min(n, self.allocator.num_free))
+
     def check_integrity(self):
         "Assert that every page is free, in the radix cache, or owned by exactly one admitted request, and more."
         admitted = self.prefilling + self.running

@@ -4,13 +4,14 @@
 
 # %% ../nbs/12_tp.ipynb #b32aeb8e
 from __future__ import annotations
-import contextlib, dataclasses, datetime, gc, multiprocessing, os, signal, socket, time, traceback
+import contextlib, dataclasses, datetime, gc, multiprocessing, os, time, traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 from .config import EngineConfig, resolve_device
+from .processes import exit_words, free_port
 from .req import Batch
 from .pages import PageTable
 from .scheduler import StepOutput
@@ -55,8 +56,8 @@ class LocalRank:
         if not self.traceback and self.errors.poll():
             try: self.traceback = self.errors.recv()
             except EOFError: pass          # it ended without a Python error: nothing was sent
-        how = f'was killed by {signal.Signals(-code).name}' if code < 0 else f'exited with code {code}'
-        return f'tensor-parallel rank {self.rank} (pid {self.process.pid}) {how}' + (f':\n{self.traceback}' if self.traceback else '')
+        why = f':\n{self.traceback}' if self.traceback else ''
+        return f'tensor-parallel rank {self.rank} (pid {self.process.pid}) {exit_words(code)}{why}'
 
 def dead_ranks(ranks: Sequence[LocalRank], wait_s: float = 1.0) -> TPError | None:
     "A `TPError` naming the ranks that have ended, or None. Waits up to `wait_s` for one to end (one whose sockets just closed is exiting)."
@@ -294,10 +295,6 @@ class TPLeader:
         self._send(torch.tensor([_SHUTDOWN] + [0] * (StepMessage.HEADER - 1), dtype=torch.int32))
 
 # %% ../nbs/12_tp.ipynb #0a24a6b8
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
-
 def _rank_main(config: EngineConfig, env: dict, timeout_s: float, errors: Connection, forked: bool):
     "Entry point of a rank process started by `start_ranks`."
     if forked:
@@ -312,7 +309,7 @@ def _rank_main(config: EngineConfig, env: dict, timeout_s: float, errors: Connec
 def start_ranks(config: EngineConfig, timeout_s: float = 300, start_method: str | None = None) -> tuple[dict, list[LocalRank]]:
     "Start ranks `1 .. tensor_parallel_size - 1` on this machine: rank 0's rendezvous variables, and the processes."
     n = config.tensor_parallel_size
-    env = dict(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(_free_port()), WORLD_SIZE=str(n))
+    env = dict(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(free_port()), WORLD_SIZE=str(n))
     method = start_method or ('spawn' if resolve_device(config.device).type == 'cuda' else 'fork')
     ctx = multiprocessing.get_context(method)
     ranks = []

@@ -13,8 +13,8 @@ import asyncio, json, os, random, re, signal, threading, time
 import httpx
 import pytest
 from nanoserve.engine import save_tiny_model
-from nanoserve.server import ServerProcess
-from test_server import _envelope, _gone, _state, _wait_idle
+from nanoserve.testing import ServerProcess
+from test_server import _envelope, _gone, _wait_idle
 
 STORM = int(os.environ.get('NANOSERVE_STRESS_REQUESTS', '64'))
 STORMS = 5
@@ -31,7 +31,7 @@ def model_dir(tmp_path_factory):
 
 def _serve(model_dir, log=None, **kw):
     s = ServerProcess(model_dir, served_model_name='tiny', debug_hooks=True, stderr=log, **kw).start()
-    s.pids, s.expected_exit = _state(s)['pids'], 0
+    s.pids, s.expected_exit = s.state()['pids'], 0
     return s
 
 def _retire(s):
@@ -120,10 +120,6 @@ def _metric(server, name: str) -> float:
         if line.startswith(name + '{') or line.startswith(name + ' '): return float(line.rsplit(' ', 1)[1])
     raise AssertionError(f'no metric {name}')
 
-def _inject(server, **fault):
-    r = _post(server, '/debug/inject', fault, timeout=10)
-    assert r.status_code == 200, r.text
-
 def _rss_kb(pid: int) -> int:
     "Resident memory of a process, from /proc (no psutil here)."
     with open(f'/proc/{pid}/status') as f:
@@ -191,7 +187,7 @@ def test_load_with_aborts(main, ref):
         n_ab = sum(ab is not None for _, _, ab in plan)
         assert after['aborted'] - before['aborted'] == n_ab          # each abandoned stream was aborted in the engine
         assert after['integrity_violations'] == before['integrity_violations']
-        assert _state(main)['open_requests'] == 0
+        assert main.state()['open_requests'] == 0
         served, abandoned = served + len(plan) - n_ab, abandoned + n_ab
         rss.append((_rss_kb(main.pids['scheduler']), _rss_kb(main.proc.pid)))
     assert _metric(main, 'nanoserve:kv_cache_usage_perc') == 0.0 and _metric(main, 'nanoserve:integrity_ok') == 1.0
@@ -304,7 +300,7 @@ def test_bad_input(main, name, endpoint, change, headers, status, param):
 def test_serving_after_bad_input(main, ref):
     "After the catalogue the server still serves, exactly, and nothing refused was left open or holding pages."
     s = _idle_and_whole(main)
-    assert _state(main)['open_requests'] == 0 and _state(main)['fatal'] is None
+    assert main.state()['open_requests'] == 0 and main.state()['fatal'] is None
     r = _complete(main, prompt=POOL[0], max_tokens=8, temperature=0)
     assert r['choices'][0]['text'] == ref.text(POOL[0], 8) and r['usage']['completion_tokens'] == 8
     print(f'\nbad input: {len(BAD)} kinds here (+ test_server.BAD); server healthy, integrity {s["integrity"]}')
@@ -340,7 +336,7 @@ def test_schemathesis_no_server_errors(main):
         if response.status_code >= 400 and case.path.startswith('/v1/'): _envelope(response)
     check()
     _idle_and_whole(main)
-    assert _state(main)['open_requests'] == 0
+    assert main.state()['open_requests'] == 0
     by_status = {}
     for _, _, code in seen: by_status[code] = by_status.get(code, 0) + 1
     assert len({p for _, p, _ in seen}) >= 4 and any(c == 200 for c in by_status) and any(400 <= c < 500 for c in by_status)
@@ -509,7 +505,7 @@ def test_fuzz_sampling_combinations(model_dir, ref):
         shown = '\n'.join(f'#{i}: {p}\n    {json.dumps(b)}' for i, p, b in problems[:5])
         assert not problems, f'{len(problems)} problem(s) in requests {sorted({i for i, _, _ in problems})}, first:\n{shown}'
         _idle_and_whole(s)
-        assert _state(s)['open_requests'] == 0
+        assert s.state()['open_requests'] == 0
         r = _complete(s, prompt=POOL[0], max_tokens=8, temperature=0)
         assert r['choices'][0]['text'] == ref.text(POOL[0], 8)
         print(f'\nfuzz: {len(plan)} requests ({sum(b["stream"] for b in plan)} streamed), all well-formed; server whole')
@@ -585,7 +581,7 @@ def test_kv_exhaustion(kv, ref):
     result = {}
     t = threading.Thread(target=lambda: result.update(out=asyncio.run(_batch(kv.url, bodies))), daemon=True)
     t.start()
-    _until(lambda: _state(kv)['stats'].get('waiting', 0) > 0, 60, 'requests waiting for KV pages')
+    _until(lambda: kv.state()['stats'].get('waiting', 0) > 0, 60, 'requests waiting for KV pages')
     for body, words in [({'prompt': [5] * 100, 'max_tokens': 1}, '100 in the messages'),   # longer than the cache
                         ({'prompt': [5] * 60, 'max_tokens': 60}, '60 in the completion')]:  # prompt + output can't fit
         r = _post(kv, '/v1/completions', {'model': 'tiny', **body}, timeout=30)
@@ -606,7 +602,7 @@ def test_kv_exhaustion(kv, ref):
 def test_integrity_violation_raises_in_strict_mode(kv):
     "integrity_check='raise' (tests): a leaked page ends the scheduler at the next idle check; 503, exit 1, no orphans."
     _idle_and_whole(kv)
-    _inject(kv, leak_pages=2)
+    kv.inject(leak_pages=2)
     kv.expected_exit = 1
     assert kv.proc.wait(30) == 1
     for pid in kv.pids.values(): assert _gone(pid)
@@ -619,8 +615,8 @@ def test_integrity_violation_warns_in_production_mode(main, ref):
     "integrity_check='warn': a leak is counted and reported while the server keeps serving; fixed, the check passes."
     v0 = _metric(main, 'nanoserve:integrity_violations_total')
     try:
-        _inject(main, leak_pages=3)
-        st = _until(lambda: (s := _state(main)['stats'])['integrity'] != 'ok' and s, 10, 'the idle check to fail')['integrity']
+        main.inject(leak_pages=3)
+        st = _until(lambda: (s := main.state()['stats'])['integrity'] != 'ok' and s, 10, 'the idle check to fail')['integrity']
         assert st == 'failed: a page is lost or owned twice'
         assert _metric(main, 'nanoserve:integrity_ok') == 0.0 and _metric(main, 'nanoserve:integrity_violations_total') == v0 + 1
         r = _complete(main, prompt=POOL[1], max_tokens=6, temperature=0)          # still serving, still exact
@@ -628,8 +624,8 @@ def test_integrity_violation_warns_in_production_mode(main, ref):
         assert httpx.get(main.url + '/health', timeout=10).status_code == 200
         _until(lambda: _metric(main, 'nanoserve:integrity_violations_total') == v0 + 2, 10, 'the next idle check')
     finally:
-        _inject(main, leak_pages=0)
-    _until(lambda: _state(main)['stats']['integrity'] == 'ok', 10, 'the check to pass once the pages are back')
+        main.inject(leak_pages=0)
+    _until(lambda: main.state()['stats']['integrity'] == 'ok', 10, 'the check to pass once the pages are back')
     assert _metric(main, 'nanoserve:integrity_ok') == 1.0 and _metric(main, 'nanoserve:integrity_violations_total') == v0 + 2
     _idle_and_whole(main)
 
@@ -638,8 +634,7 @@ def test_watchdog_reports_a_stalled_scheduler(main, ref):
     "A scheduler that stops stepping with a request open: logged, counted, 503 to /health and new requests; then recovery."
     _idle_and_whole(main)
     stalls0 = _metric(main, 'nanoserve:watchdog_stalls_total')
-    r = _post(main, '/debug/inject', {'watchdog_timeout': 1.0, 'stall': 4.0}, timeout=10)
-    assert r.status_code == 200 and r.json()['watchdog_timeout'] == 1.0
+    assert main.inject(watchdog_timeout=1.0, stall=4.0)['watchdog_timeout'] == 1.0
     try:
         result = {}
         t = threading.Thread(target=lambda: result.update(r=_complete(main, prompt=POOL[2], max_tokens=6, temperature=0)), daemon=True)
@@ -653,7 +648,7 @@ def test_watchdog_reports_a_stalled_scheduler(main, ref):
         assert result['r']['choices'][0]['text'] == ref.text(POOL[2], 6)     # the open request finished after all
         _until(lambda: httpx.get(main.url + '/health', timeout=10).status_code == 200, 10, 'recovery')
     finally:
-        _post(main, '/debug/inject', {'watchdog_timeout': 60.0}, timeout=10)
+        main.inject(watchdog_timeout=60.0)
     assert _metric(main, 'nanoserve:watchdog_stalls_total') == stalls0 + 1
     _idle_and_whole(main)
 
@@ -673,7 +668,7 @@ def _sse_thread(server, body: dict, out: dict, first: threading.Event):
 def test_sigterm_drains_then_exits(main, ref):
     "SIGTERM: 503 for new requests, the short request in flight finishes exactly, the long one is cut at the deadline, exit 0."
     _idle_and_whole(main)
-    _inject(main, step_delay=0.02)                                    # >= 20 ms a step: 400 tokens take >= 8 s
+    main.inject(step_delay=0.02)                                    # >= 20 ms a step: 400 tokens take >= 8 s
     short, long_ = {}, {}
     e1, e2 = threading.Event(), threading.Event()
     t1 = _sse_thread(main, dict(prompt=POOL[3], max_tokens=30, temperature=0), short, e1)
@@ -699,11 +694,11 @@ def test_tokenizer_death(model_dir):
     "The tokenizer/detokenizer dies with a request in flight: that request gets a 503, the server exits 1, nothing is left."
     s = _serve(model_dir, **MAIN)
     try:
-        _inject(s, step_delay=0.01)
+        s.inject(step_delay=0.01)
         result = {}
         t = threading.Thread(target=lambda: result.update(r=_post(s, '/v1/completions', {**CMPL, 'max_tokens': 400, 'ignore_eos': True})), daemon=True)
         t.start()
-        _until(lambda: _state(s)['stats'].get('running') == 1, 30, 'the request to run')
+        _until(lambda: s.state()['stats'].get('running') == 1, 30, 'the request to run')
         os.kill(s.pids['tokenizer'], signal.SIGKILL)
         t.join(30)
         r = result['r']
@@ -733,7 +728,7 @@ def test_one_request_fails_alone(model_dir, ref):
     s = _serve(model_dir, chat_template=REFUSING_TEMPLATE, **MAIN)
     try:
         before = _idle_and_whole(s)
-        _inject(s, step_delay=0.02)                                  # >= 20 ms a step: the streams below outlast the faults
+        s.inject(step_delay=0.02)                                  # >= 20 ms a step: the streams below outlast the faults
         streams, firsts, threads = [{} for _ in range(3)], [threading.Event() for _ in range(3)], []
         for i, (out, first) in enumerate(zip(streams, firsts)):
             threads.append(_sse_thread(s, dict(prompt=POOL[i], max_tokens=60, temperature=0), out, first))
@@ -742,14 +737,14 @@ def test_one_request_fails_alone(model_dir, ref):
         assert r.status_code == 400, r.text                          # the template's error is the request's fault
         err = _envelope(r)
         assert err['param'] == 'messages' and 'the template refuses this message' in err['message'], err
-        _inject(s, fail_detokenize=3)                                # the next request fails once it has more than 3 tokens
+        s.inject(fail_detokenize=3)                                # the next request fails once it has more than 3 tokens
         status, events = _read_stream(s, dict(prompt=POOL[4], max_tokens=400, ignore_eos=True, temperature=0))
         assert status == 200 and events[-1] == '[DONE]', events     # a stream that started: an error event, then [DONE]
         streamed = ''.join(c['text'] for e in events[:-2] for c in e['choices'])
         assert streamed and ref.text(POOL[4], 3).startswith(streamed), streamed   # its first tokens' text (a broken character waits)
         err = events[-2]['error']
         assert err['type'] == 'server_error' and 'detokeniz' in err['message'], err
-        _inject(s, fail_detokenize=0)                                # the next request fails at its first tokens
+        s.inject(fail_detokenize=0)                                # the next request fails at its first tokens
         r = _post(s, '/v1/completions', {'model': 'tiny', 'prompt': POOL[5], 'max_tokens': 400, 'ignore_eos': True, 'n': 2})
         assert r.status_code == 500 and 'detokeniz' in _envelope(r)['message'], r.text
         for t in threads: t.join(60)
@@ -757,7 +752,7 @@ def test_one_request_fails_alone(model_dir, ref):
             ev = [json.loads(e) for e in out['events'][:-1]]
             assert out['events'][-1] == '[DONE]' and ev[-1]['usage']['completion_tokens'] == 60, out['events'][-3:]
             assert ''.join(c['text'] for e in ev for c in e['choices']) == ref.text(POOL[i], 60)
-        _inject(s, step_delay=0.0)
+        s.inject(step_delay=0.0)
         after = _idle_and_whole(s)                                   # the failed requests' pages are back
         assert after['aborted'] - before['aborted'] == 3             # the stream, and both choices of the other one
         r = _complete(s, prompt=POOL[6], max_tokens=6, temperature=0)
@@ -766,7 +761,7 @@ def test_one_request_fails_alone(model_dir, ref):
         prompt = ref.tok.apply_chat_template(CHAT['messages'], tokenize=False, add_generation_prompt=True)
         assert chat.status_code == 200, chat.text
         assert chat.json()['choices'][0]['message']['content'] == ref.text(ref.tok(prompt, add_special_tokens=False).input_ids, 4)
-        assert httpx.get(s.url + '/health', timeout=10).status_code == 200 and _state(s)['fatal'] is None
+        assert httpx.get(s.url + '/health', timeout=10).status_code == 200 and s.state()['fatal'] is None
     finally:
         _retire(s)
 
@@ -792,7 +787,7 @@ def test_logprobs_aligned_under_retraction(model_dir, ref):
         prompts = [[1, 5 + i, 7, 9] for i in range(4)]
         bodies = [{'model': 'tiny', 'prompt': p, 'max_tokens': 40, 'temperature': 0, 'ignore_eos': True, 'logprobs': 1} for p in prompts]
         async def run(stream: bool):
-            _inject(s, stall=1.0)                            # the scheduler pauses: all the requests start in one step
+            s.inject(stall=1.0)                            # the scheduler pauses: all the requests start in one step
             async with httpx.AsyncClient(timeout=120) as c:
                 calls = [_logprob_stream(c, s.url, b) if stream else c.post(s.url + '/v1/completions', json=b) for b in bodies]
                 return await asyncio.wait_for(asyncio.gather(*calls), 300)

@@ -9,7 +9,7 @@ from openai import AsyncOpenAI, OpenAI
 from nanoserve.engine import save_tiny_model
 from nanoserve.llm import LLM
 from nanoserve.req import SamplingParams
-from nanoserve.server import ServerProcess
+from nanoserve.testing import ServerProcess
 
 ENGINE = dict(device='cpu', page_size=4, num_pages=256)     # 1024 KV slots; max_model_len is the model's 512
 PROMPTS = ['The capital of France is', 'Colours:', 'def main():', 'Numbers: 0 1 2']
@@ -21,7 +21,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope='module')
 def server(model_dir):
     s = ServerProcess(model_dir, served_model_name='tiny', debug_hooks=True, **ENGINE).start()   # hooks: see _slowed
-    pids = httpx.get(s.url + '/debug/state').json()['pids']
+    pids = s.state()['pids']
     yield s
     code = s.stop(signal.SIGTERM)          # the shutdown a process manager does: clean, and nothing left behind
     assert code == 0, f'server exit code {code} after SIGTERM'
@@ -44,13 +44,11 @@ def _gone(pid: int, timeout: float = 10.0) -> bool:
         time.sleep(0.05)
     return False
 
-def _state(server) -> dict: return httpx.get(server.url + '/debug/state', timeout=10).json()
-
 def _wait_idle(server, timeout: float = 20.0) -> dict:
     "The scheduler's counters once nothing runs or waits and the idle check has run."
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        st = _state(server)
+        st = server.state()
         s = st['stats']
         if s.get('running') == 0 and s.get('waiting') == 0 and st['open_requests'] == 0: return s
         time.sleep(0.05)
@@ -59,10 +57,9 @@ def _wait_idle(server, timeout: float = 20.0) -> dict:
 @contextlib.contextmanager
 def _slowed(server, step_delay: float):
     "The scheduler sleeps `step_delay` s before each engine step (a debug hook), for as long as the block runs."
-    r = httpx.post(server.url + '/debug/inject', json={'step_delay': step_delay}, timeout=10)
-    assert r.status_code == 200, r.text
+    server.inject(step_delay=step_delay)
     try: yield
-    finally: httpx.post(server.url + '/debug/inject', json={'step_delay': 0.0}, timeout=10)
+    finally: server.inject(step_delay=0.0)
 
 def _greedy(llm, prompt, n=12, **kw):
     return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, **kw), use_tqdm=False)[0].outputs[0]
@@ -310,7 +307,7 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(server):
         with httpx.stream('POST', server.url + '/v1/completions', json=body, timeout=30) as r:
             lines = r.iter_lines()     # kept open: leaving the iterator early would close the connection
             events = [next(l for l in lines if l.startswith('data: ')) for _ in range(3)]
-            mid = _state(server)['stats']
+            mid = server.state()['stats']
             assert mid['running'] == 1 and mid['free_pages'] < before['free_pages']    # it holds pages while it runs
         after = _wait_idle(server)                                                     # closing the stream aborted it
     assert after['aborted'] == before['aborted'] + 1
@@ -371,7 +368,7 @@ def test_prefix_cache_metrics(server, client):
 def test_ctrl_c_mid_stream(model_dir):
     "SIGINT while a stream runs: the stream ends with an error event and [DONE], the server exits 0, no orphans."
     with ServerProcess(model_dir, **ENGINE) as s:
-        pids = _state(s)['pids']
+        pids = s.state()['pids']
         body = {'prompt': 'A', 'max_tokens': 480, 'ignore_eos': True, 'stream': True}
         with httpx.stream('POST', s.url + '/v1/completions', json=body, timeout=30) as r:
             lines = r.iter_lines()
@@ -394,7 +391,7 @@ def test_worker_death(model_dir):
     "The scheduler dies mid-stream: the client gets an error event, the server exits non-zero, nothing is left."
     s = ServerProcess(model_dir, **ENGINE).start()
     try:
-        pids = _state(s)['pids']
+        pids = s.state()['pids']
         c = OpenAI(base_url=s.url + '/v1', api_key='unused', max_retries=0, timeout=30)
         stream = c.completions.create(model=model_dir, prompt='A', max_tokens=480, stream=True, extra_body={'ignore_eos': True})
         next(iter(stream))
