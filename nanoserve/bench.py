@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 import torch
-from .config import EngineConfig
+from .config import ENGINE_FLAGS, EngineConfig, add_dataclass_flags, dataclass_kwargs
 from .req import SamplingParams
 from .pages import PageAllocator, PageTable
 from .scheduler import FakeRunner, Scheduler
@@ -17,7 +17,7 @@ from .cpu_kernels import cpu_kernels, linear_cpu, pack_panels
 from .metadata import build_metadata
 from .sampling import SamplingBatch
 from .llm import make_engine
-from .cli import ENGINE_FLAGS, add_dataclass_flags, dataclass_kwargs, resolve_model
+from .checkpoints import resolve_model
 
 # %% auto #0
 __all__ = ['QWEN3_06B', 'Workload', 'random_workload', 'shared_prefix_workload', 'run_nanoserve', 'left_padded', 'greedy_config',
