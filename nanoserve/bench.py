@@ -4,12 +4,15 @@
 
 # %% ../nbs/15_bench.ipynb #8b162d4c
 from __future__ import annotations
-import argparse, http.client, json, math, os, random, statistics, sys, threading, time, urllib.request
+import argparse, copy, gc, http.client, inspect, json, math, os, random, statistics, sys, tempfile, threading, time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 from typing import Sequence
 import torch
-from .config import EngineConfig
+from .config import ENGINE_FLAGS, EngineConfig, ModelConfig, add_dataclass_flags, dataclass_kwargs
+from .model import resolve_model_path
 from .req import SamplingParams
 from .pages import PageAllocator, PageTable
 from .scheduler import FakeRunner, Scheduler
@@ -17,16 +20,16 @@ from .cpu_kernels import cpu_kernels, linear_cpu, pack_panels
 from .metadata import build_metadata
 from .sampling import SamplingBatch
 from .llm import make_engine
-from .cli import ENGINE_FLAGS, add_dataclass_flags, dataclass_kwargs, resolve_model
+from .checkpoints import resolve_model
 
 # %% auto #0
 __all__ = ['QWEN3_06B', 'Workload', 'random_workload', 'shared_prefix_workload', 'run_nanoserve', 'left_padded', 'greedy_config',
            'run_transformers', 'load_transformers', 'matmul_rate', 'model_params', 'compare', 'environment',
-           'format_table', 'decode_throughput', 'transformers_decode_throughput', 'decode_sweep', 'step_cost',
-           'scheduler_overhead', 'poisson_arrivals', 'StreamResult', 'stream_completion', 'online_metrics',
-           'run_online', 'served_model', 'online_benchmark', 'ablations', 'plot_decode_sweep', 'longest_gap_stream',
-           'plot_stream_times', 'plot_ablations', 'qwen3_06b_dir', 'batch1_latency', 'gpu_benchmark', 'build_parser',
-           'main']
+           'format_table', 'result_table', 'environment_line', 'decode_throughput', 'transformers_decode_throughput',
+           'decode_sweep', 'step_cost', 'scheduler_overhead', 'poisson_arrivals', 'StreamResult', 'stream_completion',
+           'online_metrics', 'run_online', 'served_model', 'online_benchmark', 'ablations', 'plot_decode_sweep',
+           'longest_gap_stream', 'plot_stream_times', 'plot_ablations', 'qwen3_06b_dir', 'batch1_latency',
+           'gpu_benchmark', 'build_parser', 'main']
 
 # %% ../nbs/15_bench.ipynb #f895bf34
 @dataclass
@@ -98,7 +101,6 @@ def _sync(device: torch.device):
 
 def greedy_config(model, max_new_tokens: int, pad_id: int = 0):
     "A copy of the model's generation config for greedy decoding without eos: every row runs `max_new_tokens` steps (nanoserve's `ignore_eos`)."
-    import copy
     gen = copy.deepcopy(model.generation_config)
     gen.update(do_sample=False, eos_token_id=None, pad_token_id=pad_id, max_new_tokens=max_new_tokens, min_new_tokens=None,
                temperature=None, top_p=None, top_k=None)
@@ -236,9 +238,16 @@ def _gpu_table(res: dict) -> str:
             ('decode attention, batch 64, 4k context', f"{att['gb_per_s']:,.0f} GB/s = {100 * att['fraction_of_peak']:.0f}% of 4.3 TB/s")]
     return res['device'] + '\n' + format_table(['measurement', 'value'], rows)
 
-def _print_env(env: dict):
-    print(f"[{env['device']}, torch {env['torch']}, {env['threads']} threads on {env['cpus']} CPUs, load average {env['load_average']}, "
-          f"OMP_WAIT_POLICY={env['omp_wait_policy']}]")
+def result_table(res: dict) -> str:
+    "The table of a benchmark's result, as `nanoserve bench` prints it (and `--json` stores it)."
+    tables = {'random': _compare_table, 'shared-prefix': _compare_table, 'decode': _sweep_table, 'ablations': _ablation_table,
+              'online': _latency_table, 'step-cost': _step_cost_table, 'scheduler': _scheduler_table, 'gpu': _gpu_table}
+    return tables[res['benchmark']](res)
+
+def environment_line(env: dict) -> str:
+    "An `environment()` in one line, as `nanoserve bench` prints it above its table."
+    return (f"{env['device']}, torch {env['torch']}, {env['threads']} threads on {env['cpus']} CPUs, "
+            f"load average {env['load_average']}, OMP_WAIT_POLICY={env['omp_wait_policy']}")
 
 # %% ../nbs/15_bench.ipynb #7a643fcb
 def decode_throughput(engine, batch_size: int, context: int = 256, steps: int = 32, vocab: tuple[int, int] = (100, 10000),
@@ -265,7 +274,6 @@ def transformers_decode_throughput(model, batch_size: int, context: int = 256, s
     rng = random.Random(seed)
     ids = torch.tensor([[rng.randrange(*vocab) for _ in range(context)] for _ in range(batch_size)], device=model.device)
     mask = torch.ones_like(ids)
-    import inspect
     cache_arg = 'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values'   # renamed in transformers 5
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, use_cache=True)
@@ -322,9 +330,9 @@ def step_cost(engine, budgets: Sequence[int] = (0, 16, 32, 64, 128, 256, 512), d
     return dict(decodes=decodes, context=context, repeats=repeats, rows=rows)
 
 # %% ../nbs/15_bench.ipynb #3b06a3e6
-def _percentiles(xs: Sequence[float]) -> dict:
-    "Mean, median, 99th percentile and maximum of `xs`."
-    xs = sorted(xs)
+def _stats_ms(xs: Sequence[float]) -> dict:
+    "Mean, median, 99th percentile and maximum of `xs` (seconds), in milliseconds."
+    xs = sorted(1e3 * x for x in xs)
     if not xs: return dict(mean=None, p50=None, p99=None, max=None)
     p99 = xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)]
     return dict(mean=statistics.fmean(xs), p50=statistics.median(xs), p99=p99, max=xs[-1])
@@ -356,9 +364,8 @@ def scheduler_overhead(batch_size: int = 256, steps: int = 32, prompt_len: int =
         schedule.append((t1 - t0) + (t4 - t3)); worker.append(t2 - t1)
     while not sched.idle: sched.step()
     sched.check_integrity()
-    ms = lambda xs: {k: None if v is None else 1e3 * v for k, v in _percentiles(xs).items()}
-    return dict(batch_size=batch_size, steps=steps, scheduler_ms=ms(schedule), worker_host_ms=ms(worker),
-                total_ms=ms([a + b for a, b in zip(schedule, worker)]))
+    return dict(batch_size=batch_size, steps=steps, scheduler_ms=_stats_ms(schedule), worker_host_ms=_stats_ms(worker),
+                total_ms=_stats_ms([a + b for a, b in zip(schedule, worker)]))
 
 # %% ../nbs/15_bench.ipynb #6c257a35
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
@@ -386,7 +393,6 @@ class StreamResult:
 
 def stream_completion(url: str, payload: dict, timeout: float = 300.0) -> StreamResult:
     "POST a streamed `/v1/completions` request and time its chunks (stdlib only)."
-    from urllib.parse import urlsplit
     u = urlsplit(url)
     res = StreamResult(time.perf_counter())
     body = json.dumps({**payload, 'stream': True, 'stream_options': {'include_usage': True}})
@@ -412,14 +418,13 @@ def stream_completion(url: str, payload: dict, timeout: float = 300.0) -> Stream
 def online_metrics(results: Sequence[StreamResult | None], start: float, seconds: float) -> dict:
     "Throughput and latency (TTFT, inter-token, time per output token, end-to-end) of finished streams, times in ms; and every stream's chunk times (s, from `start`)."
     ok = [r for r in results if r is not None and r.error is None and r.end is not None and r.chunk_times]
-    ms = lambda xs: {k: None if v is None else 1e3 * v for k, v in _percentiles(xs).items()}
     tokens = sum(r.output_tokens for r in ok)
     streams = [None if r not in ok else dict(sent=r.start - start, chunks=[t - start for t in r.chunk_times]) for r in results]
     return dict(completed=len(ok), failed=len(results) - len(ok), seconds=seconds, output_tokens=tokens,
                 tokens_per_s=tokens / seconds if seconds > 0 else None, requests_per_s=len(ok) / seconds if seconds > 0 else None,
-                ttft_ms=ms([r.ttft for r in ok]), itl_ms=ms([x for r in ok for x in r.itls]),
-                tpot_ms=ms([(r.end - r.chunk_times[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
-                e2e_ms=ms([r.end - r.start for r in ok]), streams=streams)
+                ttft_ms=_stats_ms([r.ttft for r in ok]), itl_ms=_stats_ms([x for r in ok for x in r.itls]),
+                tpot_ms=_stats_ms([(r.end - r.chunk_times[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
+                e2e_ms=_stats_ms([r.end - r.start for r in ok]), streams=streams)
 
 def run_online(url: str, workload: Workload, rate: float, max_duration: float = 120.0, model: str = 'model',
                seed: int = 0) -> dict:
@@ -552,7 +557,6 @@ def batch1_latency(engine, prompt_len: int = 128, new: int = 512) -> dict:
 
 def gpu_benchmark(requests: int = 256, lens: tuple[int, int] = (100, 1024), peer: bool = True, seed: int = 0) -> dict:
     "nano-vllm's workload on Qwen3-0.6B-shaped random weights, beside `transformers` on the same GPU; batch-1 latency; decode-attention bandwidth."
-    import gc, tempfile
     from nanoserve.kernels import bench_decode_attention
     assert torch.cuda.is_available(), 'the GPU benchmark needs a CUDA GPU'
     workload = random_workload(requests, lens, lens, (100, 10000), seed)
@@ -644,8 +648,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _vocab(model: str) -> tuple[int, int]:
     "Token ids for random prompts: [100, 10000) clipped to the model's vocabulary."
-    from nanoserve.config import ModelConfig
-    from nanoserve.model import resolve_model_path
     hi = min(10000, ModelConfig.from_pretrained(resolve_model_path(model)).vocab_size)
     return min(100, hi // 2), hi
 
@@ -669,31 +671,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         peer = None if kind == 'step-cost' or args.no_peer else load_transformers(model, engine.worker.dtype)
     if kind == 'random':
         wl = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
-        res.update(compare(engine, peer, wl)); text = _compare_table(res)
+        res.update(compare(engine, peer, wl))
     elif kind == 'shared-prefix':
         wl = shared_prefix_workload(args.groups, args.per_group, args.prefix_len, args.question_len, args.output_len, vocab, args.seed)
-        res.update(compare(engine, peer, wl)); text = _compare_table(res)
+        res.update(compare(engine, peer, wl))
     elif kind == 'decode':
-        res.update(decode_sweep(engine, peer, args.batch_sizes, args.context, args.steps, vocab)); text = _sweep_table(res)
+        res.update(decode_sweep(engine, peer, args.batch_sizes, args.context, args.steps, vocab))
         if args.plot: plot_decode_sweep(res, args.plot, f'{Path(model).name}: decode, context {args.context}')
     elif kind == 'ablations':
         abl = ablations(model, random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed),
                         shared_prefix_workload(args.groups, 8, args.prefix_len, vocab=vocab, seed=args.seed), **engine_kwargs)
         res.update(abl)
-        text = _ablation_table(abl)
         if args.plot: plot_ablations(abl, args.plot, f'{Path(model).name} ablations')
     elif kind == 'online':
         wl = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
         res.update(online_benchmark(model, wl, args.rate, args.max_duration, args.seed, args.url, **engine_kwargs))
-        text = _latency_table(res)
         if args.plot: plot_stream_times({f"{run['rate']}/s": run for run in res['runs']}, args.plot)
     elif kind == 'step-cost':
         res.update(step_cost(engine, args.budgets, args.decodes, args.context, args.repeats, vocab, args.seed))
-        text = _step_cost_table(res)
     elif kind == 'scheduler':
-        res.update(scheduler_overhead(args.batch_size, args.steps, args.prompt_len, seed=args.seed)); text = _scheduler_table(res)
+        res.update(scheduler_overhead(args.batch_size, args.steps, args.prompt_len, seed=args.seed))
     else:
-        res.update(gpu_benchmark(args.requests, peer=not args.no_peer, seed=args.seed)); text = _gpu_table(res)
-    _print_env(res['environment']); print(text)
+        res.update(gpu_benchmark(args.requests, peer=not args.no_peer, seed=args.seed))
+    print(f"[{environment_line(res['environment'])}]")
+    print(result_table(res))
     if args.json: Path(args.json).write_text(json.dumps(res, indent=1, default=str))
     return 0

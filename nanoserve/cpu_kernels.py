@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .config import default_cache_dir
 from .kernels import rms_norm_ref, rope_ref, silu_and_mul_ref
 
 # %% auto #0
@@ -424,7 +425,7 @@ log = logging.getLogger(__name__)
 
 def kernel_cache_dir() -> Path:
     "Where compiled kernels live: `$XDG_CACHE_HOME/nanoserve/kernels`, by default `~/.cache/nanoserve/kernels`."
-    return Path(os.environ.get('XDG_CACHE_HOME') or Path.home()/'.cache')/'nanoserve'/'kernels'
+    return default_cache_dir()/'kernels'
 
 def _cpu_fingerprint() -> str:
     "The machine and, on Linux, the CPU model and feature flags: what `-march=native` compiles for."

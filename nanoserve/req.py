@@ -40,7 +40,7 @@ class SamplingParams:
     seed: int | None = None             # per-request seed: the same seed gives the same text
     logprobs: int | None = None         # return the chosen token's logprob and the top-N, N <= MAX_LOGPROBS
     skip_special_tokens: bool = True    # drop special tokens from the detokenized text
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: bool = False   # keep the stop string at the end of the text
 
     def __post_init__(self):
         def bad(name, why): raise ValueError(f'{name} {why}, got {getattr(self, name)!r}')

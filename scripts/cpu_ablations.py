@@ -18,7 +18,7 @@ import random, statistics, sys, time
 import torch
 import nanoserve.model as M
 from nanoserve.config import EngineConfig
-from nanoserve.cli import smollm2_path
+from nanoserve.checkpoints import smollm2_path
 from nanoserve.llm import make_engine
 from nanoserve.req import SamplingParams
 

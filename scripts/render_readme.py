@@ -3,6 +3,8 @@
 
 Markdown cells are copied as they are; code cells become ```python blocks, minus `#|` directive
 lines; their text outputs follow as plain blocks; cells marked `#| hide` are left out.
+A markdown line that is exactly `<!-- bench-targets -->` becomes the table of chapter 15a's targets,
+read from the stored runs in `nbs/bench_results/` (`nanoserve.results.target_rows`).
 `--check` renders to memory and exits 1 when README.md differs, so CI catches a stale README.
 """
 import argparse, difflib, sys
@@ -10,6 +12,20 @@ from pathlib import Path
 from execnb.nbio import read_nb
 
 root = Path(__file__).resolve().parent.parent
+BENCH_TARGETS = '<!-- bench-targets -->'
+
+def _targets_table() -> str:
+    "The targets of chapter 15a as a Markdown table, each figure read from the stored runs."
+    sys.path.insert(0, str(root))     # this checkout's nanoserve, not another installed one
+    from nanoserve.results import TARGET_HEADER, load_results, target_rows
+    rows = target_rows(load_results(root/'nbs'/'bench_results'))
+    lines = [TARGET_HEADER, ['---'] * len(TARGET_HEADER), *rows]
+    return '\n'.join('| ' + ' | '.join(line) + ' |' for line in lines)
+
+def _markdown(src: str) -> str:
+    "A markdown cell's text, with the targets table in place of its marker line."
+    lines = src.strip('\n').split('\n')
+    return '\n'.join(_targets_table() if line.strip() == BENCH_TARGETS else line for line in lines)
 
 def _directives(src: str) -> set[str]:
     return {l[3:].strip().split()[0] for l in src.splitlines() if l.startswith('#|') and l[3:].strip()}
@@ -27,7 +43,7 @@ def render(nb_path: Path) -> str:
     for cell in read_nb(nb_path).cells:
         src = cell.source
         if cell.cell_type == 'markdown':
-            parts.append(src.strip('\n'))
+            parts.append(_markdown(src))
             continue
         if cell.cell_type != 'code' or 'hide' in _directives(src): continue
         code = '\n'.join(l for l in src.splitlines() if not l.startswith('#|')).strip('\n')
