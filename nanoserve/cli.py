@@ -4,7 +4,7 @@
 
 # %% ../nbs/16_cli.ipynb #3b90080f
 from __future__ import annotations
-import argparse, sys
+import argparse, os, sys
 from typing import Sequence, TextIO
 from . import __version__
 from .config import ENGINE_FLAGS, EngineConfig, add_dataclass_flags, dataclass_kwargs
@@ -73,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('out_dir', metavar='OUT_DIR', help='the model directory to write')
     p.add_argument('--dtype', choices=list(SAVE_DTYPES), default='bfloat16',
                    help='dtype of the saved weights (default: bfloat16)')
+    p = command('check-kernels', _check_kernels, 'compile every Triton kernel for a GPU, on any machine (chapter 06)')
+    p.add_argument('--arch', action='append', metavar='ARCH', help='sm_80, sm_89, sm_90 or sm_100; repeat for several (default: sm_90)')
+    p.add_argument('--workers', type=int, default=2, help='compiler processes (default: 2)')
     return parser
 
 def _checked(args: argparse.Namespace, sampling: bool = True) -> tuple[dict, SamplingParams | None]:
@@ -169,6 +172,24 @@ def _convert(args: argparse.Namespace) -> int:
     _quiet_transformers()
     print(convert_gguf(args.gguf, args.out_dir, args.dtype, verbose=True))
     return 0
+
+def _check_kernels(args: argparse.Namespace) -> int:
+    "Compile the kernels for each architecture; a table per architecture; 1 if any configuration has a problem."
+    if 'triton' in sys.modules and os.environ.get('TRITON_INTERPRET') == '1':
+        raise ValueError('check-kernels compiles the kernels, not interprets them: run it in a process without TRITON_INTERPRET=1')
+    os.environ.pop('TRITON_INTERPRET', None)
+    from nanoserve.bench import format_table
+    from nanoserve.kernels import check_kernels
+    failed = False
+    for arch in args.arch or ['sm_90']:
+        rows = check_kernels(arch, args.workers)
+        cells = [(r['kernel'], r['config'], r.get('num_warps'), r.get('registers'), r.get('spills'),
+                  None if r.get('shared') is None else r['shared'] // 1024, f"{r['occupancy']:.0%}" if 'occupancy' in r else None,
+                  r['problem'] or 'ok') for r in rows]
+        print(f'{arch}: {len(rows)} compilations')
+        print(format_table(['kernel', 'configuration', 'warps', 'registers', 'spills', 'shared KB', 'occupancy', ''], cells))
+        failed = failed or any(r['problem'] for r in rows)
+    return 1 if failed else 0
 
 def main(argv: Sequence[str] | None = None) -> int:
     "The `nanoserve` command: run the subcommand that `argv` (default `sys.argv[1:]`) names; returns the exit status."

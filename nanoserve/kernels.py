@@ -4,21 +4,17 @@
 
 # %% ../nbs/06_kernels.ipynb #ebb437c1
 from __future__ import annotations
-import math, os, sys, warnings
+import math, os, re
 import torch
-if not torch.cuda.is_available() and 'TRITON_INTERPRET' not in os.environ:
-    if 'triton' in sys.modules:  # NOTE: too late: Triton's library functions were built for a GPU at `import triton`
-        warnings.warn('triton was imported before nanoserve.kernels without TRITON_INTERPRET=1: '
-                      'the Triton kernels cannot run on this CPU (the torch references can)')
-    os.environ['TRITON_INTERPRET'] = '1'
 import triton
 import triton.language as tl
 
 # %% auto #0
-__all__ = ['INTERPRET', 'DECODE_BLOCK_N', 'rms_norm_ref', 'rms_norm', 'rope_inv_freq', 'rope_cos_sin_cache', 'rope_ref', 'rope',
-           'silu_and_mul_ref', 'silu_and_mul', 'random_page_table', 'store_kv_ref', 'store_kv', 'decode_attention_ref',
-           'extend_attention_ref', 'decode_num_splits', 'decode_attention', 'extend_attention',
-           'bench_decode_attention']
+__all__ = ['INTERPRET', 'DECODE_BLOCK_N', 'GPU_ARCHS', 'MODEL_SHAPES', 'rms_norm_ref', 'rms_norm', 'rope_inv_freq',
+           'rope_cos_sin_cache', 'rope_ref', 'rope', 'silu_and_mul_ref', 'silu_and_mul', 'random_page_table',
+           'store_kv_ref', 'store_kv', 'decode_attention_ref', 'extend_attention_ref', 'decode_num_splits',
+           'decode_attention', 'extend_attention', 'bench_decode_attention', 'kernel_launches', 'capture_launches',
+           'compile_kernel', 'occupancy', 'check_kernels']
 
 # %% ../nbs/06_kernels.ipynb #b626afdf
 INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'   # kernels run in the Triton interpreter (no GPU)
@@ -216,7 +212,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         _store_kv_kernel[(triton.cdiv(T, block_t),)](
             k, v, k_cache, v_cache, out_loc, T, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            NUM_COLS=KVH * D, HEAD_DIM=D, BLOCK_T=block_t, BLOCK_C=block_c)
+            NUM_COLS=KVH * D, HEAD_DIM=D, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=8)   # 4 warps spill at 1024 columns
 
 # %% ../nbs/06_kernels.ipynb #8dfba35c
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
@@ -250,19 +246,23 @@ def extend_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
 
 # %% ../nbs/06_kernels.ipynb #eb0ae898
 @triton.jit
-def _attend_tile(q, k, v, mask, m, l, acc, qk_scale, PRECISION: tl.constexpr):
+def _attend_tile(q, k, v, mask, m, l, acc, qk_scale, P_TYPE: tl.constexpr, PRECISION: tl.constexpr):
     "Fold one tile of keys `k` and values `v` `[BLOCK_N, D]` into the running `(m, l, acc)` of query rows `q`."
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale     # [rows, BLOCK_N], base-2 logits
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale     # [rows, BLOCK_N] fp32, base-2 logits
     s = tl.where(mask, s, float('-inf'))
     m_new = tl.maximum(m, tl.max(s, 1))
     m_safe = tl.where(m_new == float('-inf'), 0.0, m_new)                # a row with nothing visible yet
     alpha = tl.exp2(m - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(P_TYPE).to(v.dtype), v, input_precision=PRECISION)   # p rounded as the pool
     return m_new, l, acc
 
-def _dot_precision(dtype: torch.dtype) -> str: return 'ieee' if dtype == torch.float32 else 'tf32'
+_TL_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+def _dot_type(pool_dtype: torch.dtype):
+    "The operand type of the attention dots: the pool's, with fp32 accumulation; fp32 in the interpreter (no bf16 dots)."
+    return tl.float32 if INTERPRET else _TL_TYPES[pool_dtype]
 
 # %% ../nbs/06_kernels.ipynb #e8a75db8
 @triton.jit
@@ -270,7 +270,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_
                          qk_scale, num_splits, stride_qb, stride_qh, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, stride_pt,
                          stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                         BLOCK_D: tl.constexpr, DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr, SINGLE: tl.constexpr):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     row = tl.load(table_idx_ptr + b).to(tl.int64)
@@ -282,7 +282,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_
     d_mask = (d < HEAD_DIM)[None, :]
     hd_mask = (g < GROUP)[:, None] & d_mask
     b64 = b.to(tl.int64)
-    q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=hd_mask, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=hd_mask, other=0.0).to(DOT_TYPE)
     m = tl.full([BLOCK_H], float('-inf'), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -291,13 +291,14 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_
         n_mask = pos < hi
         loc = tl.load(page_table_ptr + row * stride_pt + pos, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask
-        k = tl.load(k_cache_ptr + loc[:, None] * stride_kc_s + kv_head * stride_kc_h + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + loc[:, None] * stride_vc_s + kv_head * stride_vc_h + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        m, l, acc = _attend_tile(q, k, v, n_mask[None, :], m, l, acc, qk_scale, PRECISION)
+        k = tl.load(k_cache_ptr + loc[:, None] * stride_kc_s + kv_head * stride_kc_h + d[None, :], mask=kv_mask, other=0.0).to(DOT_TYPE)
+        v = tl.load(v_cache_ptr + loc[:, None] * stride_vc_s + kv_head * stride_vc_h + d[None, :], mask=kv_mask, other=0.0).to(DOT_TYPE)
+        m, l, acc = _attend_tile(q, k, v, n_mask[None, :], m, l, acc, qk_scale, k_cache_ptr.dtype.element_ty, PRECISION)
     l_safe = tl.maximum(l, 1e-30)                                               # an empty chunk has l = 0
     lse = tl.where(l > 0, m + tl.log2(l_safe), float('-inf'))
-    tl.store(mid_o_ptr + b64 * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + d[None, :], acc / l_safe[:, None], mask=hd_mask)
-    tl.store(mid_lse_ptr + b64 * stride_ml_b + heads * stride_ml_h + split, lse, mask=g < GROUP)
+    o_ptrs = mid_o_ptr + b64 * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + d[None, :]
+    tl.store(o_ptrs, (acc / l_safe[:, None]).to(mid_o_ptr.dtype.element_ty), mask=hd_mask)   # SINGLE: the output itself
+    if not SINGLE: tl.store(mid_lse_ptr + b64 * stride_ml_b + heads * stride_ml_h + split, lse, mask=g < GROUP)
 
 @triton.jit
 def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, num_heads, num_splits,
@@ -318,7 +319,7 @@ def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, num_heads, num_splits,
              mask=(h < num_heads)[:, None] & (d < HEAD_DIM)[None, :])
 
 # %% ../nbs/06_kernels.ipynb #896cff1a
-DECODE_BLOCK_N = 64   # positions per K/V tile in decode attention
+DECODE_BLOCK_N = 64 if INTERPRET else 32   # positions per K/V tile in decode attention (64 spills registers on a GPU)
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int | None = None) -> int:
     "Splits per request for `decode_attention`: fill the SMs ~4x over, no split under 4 tiles, at most 32; 2 off-GPU."
@@ -335,15 +336,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     if B == 0: return out
     if num_splits is None: num_splits = decode_num_splits(B, KVH, int(seq_lens.max()))
-    mid_o = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    single = num_splits == 1            # the one chunk's output is the answer: written in place, no partials, no merge
+    mid_o = out.view(B, H, 1, D) if single else torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
+    mid_lse = out if single else torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(D))
     _decode_split_kernel[(B, KVH, num_splits)](
         q, k_cache, v_cache, page_table, table_idx, seq_lens, mid_o, mid_lse, scale * _LOG2E, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=H // KVH, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(H // KVH)), BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d,
-        PRECISION=_dot_precision(k_cache.dtype), num_warps=4)
+        DOT_TYPE=_dot_type(k_cache.dtype), PRECISION='ieee', SINGLE=single, num_warps=4)
+    if single: return out
     heads_per_program = triton.next_power_of_2(H) if INTERPRET else 1
     _decode_merge_kernel[(B, triton.cdiv(H, heads_per_program))](
         mid_o, mid_lse, out, H, num_splits, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
@@ -357,7 +360,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, stride_ot, stride_oh, stride_pt,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_D: tl.constexpr, DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr):
     b, kv_head, row_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     extend_len = tl.load(extend_lens_ptr + b).to(tl.int32)
     row_start = row_block * BLOCK_M
@@ -370,7 +373,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_
     d_mask = (d < HEAD_DIM)[None, :]
     q_mask = (token < extend_len)[:, None] & d_mask
     q_rows = (first + token)[:, None]
-    q = tl.load(q_ptr + q_rows * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + q_rows * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0).to(DOT_TYPE)
     m = tl.full([BLOCK_M], float('-inf'), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -379,18 +382,18 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_
         n_mask = pos < prefix_len
         loc = tl.load(page_table_ptr + table_row * stride_pt + pos, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask
-        k = tl.load(k_cache_ptr + loc[:, None] * stride_kc_s + kv_head * stride_kc_h + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + loc[:, None] * stride_vc_s + kv_head * stride_vc_h + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        m, l, acc = _attend_tile(q, k, v, n_mask[None, :], m, l, acc, qk_scale, PRECISION)
+        k = tl.load(k_cache_ptr + loc[:, None] * stride_kc_s + kv_head * stride_kc_h + d[None, :], mask=kv_mask, other=0.0).to(DOT_TYPE)
+        v = tl.load(v_cache_ptr + loc[:, None] * stride_vc_s + kv_head * stride_vc_h + d[None, :], mask=kv_mask, other=0.0).to(DOT_TYPE)
+        m, l, acc = _attend_tile(q, k, v, n_mask[None, :], m, l, acc, qk_scale, k_cache_ptr.dtype.element_ty, PRECISION)
     last_token = tl.minimum(extend_len, (row_start + BLOCK_M - 1) // GROUP + 1)
     for start in range(0, last_token, BLOCK_N):                         # 2. the new tokens, causally
         j = start + n
         kv_rows = (first + j)[:, None]
         kv_mask = (j < extend_len)[:, None] & d_mask
-        k = tl.load(k_ptr + kv_rows * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + kv_rows * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + kv_rows * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0).to(DOT_TYPE)
+        v = tl.load(v_ptr + kv_rows * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0).to(DOT_TYPE)
         causal = (j[None, :] <= token[:, None]) & (j < extend_len)[None, :]
-        m, l, acc = _attend_tile(q, k, v, causal, m, l, acc, qk_scale, PRECISION)
+        m, l, acc = _attend_tile(q, k, v, causal, m, l, acc, qk_scale, k_cache_ptr.dtype.element_ty, PRECISION)
     out = acc / tl.maximum(l, 1e-30)[:, None]
     tl.store(out_ptr + q_rows * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -404,7 +407,8 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     if T == 0: return out
     group = H // KVH
     extend_start = torch.cumsum(extend_lens, 0) - extend_lens
-    block_m, block_n, num_warps = (64, 64, 4) if INTERPRET else (64, 32, 8)
+    block_m = 64 if INTERPRET or D <= 64 else 32              # 64 rows of 128-wide heads spill registers (check_kernels)
+    block_n, num_warps = (64, 4) if INTERPRET else (32, 8)
     if max_extend_len is None: max_extend_len = int(extend_lens.max())   # waits for the GPU: callers that know it pass it
     grid = (extend_lens.shape[0], KVH, triton.cdiv(max_extend_len * group, block_m))
     _extend_kernel[grid](
@@ -412,7 +416,7 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0),
         GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        PRECISION=_dot_precision(k_cache.dtype), num_warps=num_warps)
+        DOT_TYPE=_dot_type(k_cache.dtype), PRECISION='ieee', num_warps=num_warps)
     return out
 
 # %% ../nbs/06_kernels.ipynb #5fb471e5
@@ -435,3 +439,99 @@ def bench_decode_attention(batch: int = 64, context: int = 4096, num_heads: int 
     gb_per_s = 2 * batch * context * num_kv_heads * head_dim * k_cache.element_size() / (ms * 1e-3) / 1e9
     return dict(batch=batch, context=context, num_splits=num_splits, ms=ms, gb_per_s=gb_per_s,
                 fraction_of_peak=gb_per_s / peak_gb_per_s, max_abs_err=max_abs_err)
+
+# %% ../nbs/06_kernels.ipynb #6e1f0a03
+GPU_ARCHS = {   # compute capability, max shared memory of a block (KB), shared memory of an SM (KB), warp slots of an SM
+    'sm_80': (80, 163, 164, 64), 'sm_89': (89, 99, 100, 48), 'sm_90': (90, 227, 228, 64), 'sm_100': (100, 227, 228, 64)}
+MODEL_SHAPES = {   # hidden, intermediate, query heads, KV heads, head dim: the served families, and odd groups and heads
+    'SmolLM2-135M': (576, 1536, 9, 3, 64), 'Qwen2-0.5B': (896, 4864, 14, 2, 64), 'Llama-3.2-1B': (2048, 8192, 32, 8, 64),
+    'Qwen3-0.6B': (1024, 3072, 16, 8, 128), 'Llama-3.1-8B': (4096, 14336, 32, 8, 128), 'Qwen2.5-7B': (3584, 18944, 28, 4, 128),
+    'head 96, group 5': (2400, 6400, 25, 5, 96), 'group 1': (1024, 2816, 8, 8, 128), 'group 6': (1536, 4096, 12, 2, 128)}
+
+def kernel_launches(shapes: dict = MODEL_SHAPES, dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> list[tuple]:
+    "`(configuration, wrapper, args)` for every kernel launch the engine makes at these shapes and dtypes (fp32: the first shape)."
+    calls = []
+    for name, (hidden, inter, H, KVH, D) in shapes.items():
+        for dtype in dtypes if name == next(iter(shapes)) else dtypes[:2]:
+            def meta(*shape, dtype=dtype): return torch.empty(*shape, dtype=dtype, device='meta')
+            x, w, gate_up = meta(256, hidden), meta(hidden), meta(256, 2 * inter)
+            q, k, pool = meta(256, H, D), meta(256, KVH, D), meta(4096, KVH, D)
+            table, rows, positions = meta(257, 8192, dtype=torch.int32), meta(256, dtype=torch.int32), meta(256, dtype=torch.int64)
+            label = f'{name}, {str(dtype)[6:]}'
+            calls += [(label, rms_norm, (x, w, 1e-6)), (label + ', residual', rms_norm, (x, w, 1e-6, x)),
+                      (label, rope, (q, k, positions, meta(8192, D, dtype=torch.float32))), (label, silu_and_mul, (gate_up,)),
+                      (label, store_kv, (k, k, pool, pool, positions)),
+                      (label, extend_attention, (q, k, k, pool, pool, table, rows, rows, rows, 0.1, 2048))]
+            calls += [(f'{label}, {n} splits', decode_attention, (q, pool, pool, table, rows, rows, 0.1, n)) for n in (1, 2, 8, 32)]
+    return calls
+
+def capture_launches(calls: list[tuple]) -> dict[tuple, str]:
+    "Run each wrapper without launching its kernels: `{(kernel, signature, constexprs, options): configuration}`."
+    from triton.runtime.jit import JITFunction
+    assert not INTERPRET, 'compiling for a GPU needs the kernels compiled, not interpreted: unset TRITON_INTERPRET'
+    types = {torch.bfloat16: 'bf16', torch.float16: 'fp16', torch.float32: 'fp32', torch.int32: 'i32', torch.int64: 'i64'}
+    found, run, current = {}, JITFunction.run, {}
+    def capture(fn, *args, grid, warmup, **kwargs):
+        signature, constexprs = {}, {}
+        for param, arg in zip(fn.params, args + tuple(kwargs.get(p.name) for p in fn.params[len(args):])):
+            if param.is_constexpr: signature[param.name], constexprs[param.name] = 'constexpr', kwargs[param.name]
+            elif isinstance(arg, torch.Tensor): signature[param.name] = '*' + types[arg.dtype]
+            else: signature[param.name] = 'fp32' if isinstance(arg, float) else 'i32'
+        options = tuple(sorted((k, v) for k, v in kwargs.items() if k in ('num_warps', 'num_stages')))
+        key = (fn.__name__, tuple(signature.items()), tuple((k, str(v)) for k, v in constexprs.items()), options)
+        found.setdefault(key, (constexprs, current['config']))
+    JITFunction.run = capture
+    try:
+        for config, wrapper, args in calls:
+            current['config'] = config
+            wrapper(*args)
+    finally: JITFunction.run = run
+    return found
+
+def compile_kernel(arch: str, kernel: str, signature: dict, constexprs: dict, options: dict) -> dict:
+    "Compile one launch for `arch` with Triton and NVIDIA's assembler: its registers, spills and shared memory."
+    import subprocess, tempfile
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+    capability = GPU_ARCHS[arch][0]
+    fn = globals()[kernel]
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                              target=GPUTarget('cuda', capability, 32), options=options)
+    suffix = 'a' if capability >= 90 else ''
+    with tempfile.NamedTemporaryFile('w', suffix='.ptx') as ptx:
+        ptx.write(compiled.asm['ptx'])
+        ptx.flush()
+        report = subprocess.run([get_ptxas(capability).path, '-v', f'--gpu-name=sm_{capability}{suffix}', ptx.name, '-o', '/dev/null'],
+                                capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r'Used (\d+) registers', report).group(1))
+    spills = sum(int(n) for n in re.findall(r'(\d+) bytes spill (?:stores|loads)', report))
+    return dict(registers=registers, spills=spills, shared=compiled.metadata.shared, num_warps=compiled.metadata.num_warps)
+
+def occupancy(arch: str, registers: int, shared: int, num_warps: int) -> float:
+    "The share of an SM's warp slots that blocks of a kernel fill, given its registers, shared memory and warps per block."
+    _, _, sm_shared_kb, warp_slots = GPU_ARCHS[arch]
+    by_registers = 65536 // (max(registers, 1) * 32 * num_warps)   # an SM has 64K 32-bit registers
+    by_shared = sm_shared_kb * 1024 // shared if shared else 32
+    blocks = min(by_registers, by_shared, warp_slots // num_warps, 32)
+    return blocks * num_warps / warp_slots
+
+def _compile_row(arch: str, key: tuple, constexprs: dict, config: str) -> dict:
+    kernel, signature, _, options = key
+    row = dict(kernel=kernel.strip('_'), config=config)
+    try: row.update(compile_kernel(arch, kernel, dict(signature), constexprs, dict(options)))
+    except Exception as e: return {**row, 'problem': f'does not compile: {type(e).__name__}: {str(e)[:200]}'}
+    row['occupancy'] = occupancy(arch, row['registers'], row['shared'], row['num_warps'])
+    limit_kb = GPU_ARCHS[arch][1]
+    problems = ([f"{row['spills']} bytes spilled"] if row['spills'] else []) + \
+               ([f"{row['shared']} bytes of shared memory > {limit_kb} KB"] if row['shared'] > limit_kb * 1024 else [])
+    return {**row, 'problem': '; '.join(problems) or None}
+
+def check_kernels(arch: str = 'sm_90', workers: int = 2, calls: list[tuple] | None = None) -> list[dict]:
+    "Compile every distinct launch of `kernel_launches` for `arch`: a row each (registers, spills, shared, occupancy, problem)."
+    from concurrent.futures import ProcessPoolExecutor
+    if arch not in GPU_ARCHS: raise ValueError(f"arch must be one of {', '.join(GPU_ARCHS)}, got {arch!r}")
+    launches = capture_launches(kernel_launches() if calls is None else calls)
+    with ProcessPoolExecutor(workers) as pool:
+        futures = [pool.submit(_compile_row, arch, key, constexprs, config) for key, (constexprs, config) in launches.items()]
+        return [f.result() for f in futures]
