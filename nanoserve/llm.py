@@ -107,14 +107,24 @@ class _Seq:
     def __init__(self, req: Req, detok: IncrementalDetokenizer): self.req, self.detok = req, detok
 
 class LLM:
-    "Offline generation: tokenizer + engine in one process."
-    def __init__(self, model: str, tokenizer: str | None = None, **engine_kwargs):
+    "Offline generation: tokenizer + engine in one process. `with LLM(...) as llm:` or `llm.shutdown()` releases it."
+    def __init__(self, model: str,                # a model directory, a hub id, or a named model (`smollm2`, chapter 14z)
+                 tokenizer: str | None = None, **engine_kwargs):
         from transformers import AutoTokenizer
-        self.engine = make_engine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
+        from nanoserve.checkpoints import resolve_model     # a later chapter: named models, converted once
+        self.engine = make_engine(EngineConfig.from_kwargs(model=resolve_model(model), **engine_kwargs))
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or str(self.engine.worker.path))
         self._counter = 0
 
     def get_tokenizer(self): return self.tokenizer
+
+    def shutdown(self):
+        "Release the engine now: its ranks and process group under tensor parallelism, its memory once it is dropped."
+        if self.engine is not None: self.engine.close()
+        self.engine = None
+
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.shutdown()
 
     def _as_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
@@ -130,6 +140,7 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         "Generate completions for `prompts` (text or token ids); returns one `RequestOutput` per prompt, in order."
+        if self.engine is None: raise RuntimeError('LLM: this engine was shut down; make a new LLM')
         prompts = self._as_prompts(prompts)
         params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -184,10 +195,10 @@ class LLM:
                     if s.detok.stopped_by is not None:
                         if not req.finished: self.engine.abort(req.uid)
                         req.finish_reason = FinishReason.STOP
-                for i, group in enumerate(seqs):
-                    if i not in done and all(s.req.finished for s in group):
-                        done.add(i); bar.update(1)
                 bar.set_postfix_str(f'{generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s', refresh=False)
+                finished = [i for i, group in enumerate(seqs) if i not in done and all(s.req.finished for s in group)]
+                done.update(finished)
+                if finished: bar.update(len(finished))   # one refresh a step, with its rate: the last line is the final one
         finally:
             for s in by_uid.values():
                 if not s.req.finished: self.engine.abort(s.req.uid)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/12_tp.ipynb #b32aeb8e
 from __future__ import annotations
-import contextlib, dataclasses, datetime, gc, multiprocessing, os, time, traceback
+import contextlib, dataclasses, datetime, gc, multiprocessing, os, time, traceback, weakref
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Mapping, Sequence
@@ -321,6 +321,25 @@ def start_ranks(config: EngineConfig, timeout_s: float = 300, start_method: str 
         ranks.append(LocalRank(r, p, receive))
     return {**env, 'RANK': '0', 'LOCAL_RANK': '0'}, ranks
 
+class _RankHolds:
+    "The ranks and the process group of a TP engine, kept apart from it so that `close` can run when it is collected."
+    def __init__(self): self.leader, self.ranks = None, []
+
+    def close(self):
+        "Stop the other ranks (cleanly if they are in step, else terminate them) and leave the process group."
+        clean = self.leader is not None and self.leader.error is None
+        if clean:
+            try: self.leader.shutdown()
+            except Exception: clean = False
+        for r in self.ranks:
+            r.process.join(timeout=10 if clean else 0)
+            if r.process.is_alive():
+                r.process.kill()
+                r.process.join(5)
+        if dist.is_initialized(): dist.destroy_process_group()
+        if self.leader is not None and self.leader.error is None: self.leader.error = TPError('the engine is closed')
+        gc.collect()   # free the old groups now, in the process that owns their threads (see `_rank_main`)
+
 class TPEngine(Engine):
     "The engine over `tensor_parallel_size` ranks: this process is rank 0 and schedules; the others follow."
     def __init__(self, config: EngineConfig | None = None, *,
@@ -329,17 +348,18 @@ class TPEngine(Engine):
                  env: Mapping[str, str] | None = None,  # torchrun-style variables; default: os.environ if it has WORLD_SIZE, else start local ranks
                  **kwargs):
         self.config = config or EngineConfig.from_kwargs(**kwargs)
-        self.ranks, self.leader = [], None
+        self._holds = _RankHolds()
+        self._closer = weakref.finalize(self, self._holds.close)   # runs once: at close(), collection or exit
         if env is None and 'WORLD_SIZE' in os.environ: env = os.environ
         if env is not None and (int(env.get('WORLD_SIZE', -1)), int(env.get('RANK', -1))) != (self.config.tensor_parallel_size, 0):
             raise ValueError(f"tensor_parallel_size ({self.config.tensor_parallel_size}) must equal WORLD_SIZE ({env.get('WORLD_SIZE')}), "
                              f"and TPEngine runs on RANK 0 (got {env.get('RANK')}); other ranks call run_follower")
         if dist.is_initialized(): raise TPError('this process is already in a process group: one tensor-parallel engine per process')
         try:
-            if env is None: env, self.ranks = start_ranks(self.config, timeout_s, start_method)
+            if env is None: env, self._holds.ranks = start_ranks(self.config, timeout_s, start_method)
             self.group = init_distributed(self.config.device, timeout_s, env, watch=self.ranks)
             self.worker = Worker(_rank_config(self.config, self.group), 0, self.group.world_size)
-            self.leader = TPLeader(self.worker, self.group, self.ranks)
+            self._holds.leader = TPLeader(self.worker, self.group, self.ranks)
             dist.monitored_barrier(self.group.control, timeout=self.group.timeout, wait_all_ranks=True)
         except BaseException as e:
             # a rank's death explains a failed collective better than the error it caused here; rank 0's own errors stand
@@ -354,21 +374,15 @@ class TPEngine(Engine):
     @property
     def tp_size(self) -> int: return self.config.tensor_parallel_size
 
-    def close(self):
-        "Stop the other ranks (cleanly if they are in step, else terminate them) and leave the process group."
-        clean = self.leader is not None and self.leader.error is None
-        if clean:
-            try: self.leader.shutdown()
-            except Exception: clean = False
-        for r in self.ranks:
-            r.process.join(timeout=10 if clean else 0)
-            if r.process.is_alive(): r.process.kill(); r.process.join(5)
-        if dist.is_initialized(): dist.destroy_process_group()
-        if self.leader is not None and self.leader.error is None: self.leader.error = TPError('the engine is closed')
-        gc.collect()   # free the old groups now, in the process that owns their threads (see `_rank_main`)
+    @property
+    def ranks(self) -> list[LocalRank]: return self._holds.ranks
 
-    def __enter__(self): return self
-    def __exit__(self, *exc): self.close()
+    @property
+    def leader(self) -> TPLeader | None: return self._holds.leader
+
+    def close(self):
+        "Stop the other ranks and leave the process group (also done when the engine is collected, or at exit)."
+        self._closer()
 
 # %% ../nbs/12_tp.ipynb #2f8a6c31
 class OverlapTPEngine(OverlapEngine, TPEngine):
