@@ -38,6 +38,39 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f'seconds must be a finite number >= 0, got {text!r}')
     return x
 
+def _count(text: str) -> int:
+    "A flag's value as a count: an integer >= 1."
+    try: n = int(text)
+    except ValueError: raise argparse.ArgumentTypeError(f'invalid integer: {text!r}') from None
+    if n < 1: raise argparse.ArgumentTypeError(f'must be an integer >= 1, got {text!r}')
+    return n
+
+def _access_flags(p: argparse.ArgumentParser):
+    "`serve`'s flags for who may use the server, over what, and how much of it one client may hold."
+    g = p.add_argument_group('access and limits')
+    g.add_argument('--api-key', action='append', default=None, metavar='KEY',
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics; repeat for "
+                        "several keys (default: $NANOSERVE_API_KEY, comma-separated, which keeps them out of `ps`)")
+    g.add_argument('--ssl-keyfile', default=None, metavar='FILE', help='serve HTTPS, with this private key')
+    g.add_argument('--ssl-certfile', default=None, metavar='FILE', help='serve HTTPS, with this certificate (chain)')
+    g.add_argument('--root-path', default=None, metavar='PATH',
+                   help='the path prefix a reverse proxy serves the server under, e.g. /llm (default: none)')
+    g.add_argument('--max-request-bytes', type=_count, default=None, metavar='N',
+                   help='refuse (413) a request body over N bytes, before reading it (default: 33554432 = 32 MiB)')
+    g.add_argument('--body-timeout', type=_seconds, default=None, metavar='S',
+                   help="seconds a request's body may take to arrive after its headers, then 408; 0: any (default: 30)")
+    g.add_argument('--timeout-keep-alive', type=_seconds, default=None, metavar='S',
+                   help='seconds a new or idle connection may wait before sending a request, then closed (default: 5)')
+    g.add_argument('--limit-concurrency', type=_count, default=None, metavar='N',
+                   help='connections at once before new requests get a 503 (default: the open-files limit - 128)')
+    g.add_argument('--stream-backlog', type=_count, default=None, metavar='TOKENS',
+                   help="tokens per choice a streaming client may leave unread before its stream is dropped "
+                        "(default: 1024)")
+
+_SERVE_OPTIONS = ('drain_timeout', 'watchdog_timeout', 'integrity_check', 'api_key', 'ssl_keyfile', 'ssl_certfile',
+                  'root_path', 'max_request_bytes', 'body_timeout', 'timeout_keep_alive', 'limit_concurrency',
+                  'stream_backlog')
+
 def build_parser() -> argparse.ArgumentParser:
     "The `nanoserve` argument parser, one subparser per command."
     parser = argparse.ArgumentParser(prog='nanoserve', description='nanoserve: a small, fast LLM serving engine.')
@@ -67,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--integrity-check', choices=('warn', 'raise'), default=None,
                    help="what a failed idle check of the page bookkeeping does: 'warn' (log, count in /metrics) or "
                         "'raise' (stop the server) (default: $NANOSERVE_INTEGRITY_CHECK or warn)")
+    _access_flags(p)
     command('bench', None, 'run the benchmarks (nanoserve bench --help lists their arguments)', add_help=False)
     p = command('convert-gguf', _convert, 'convert a GGUF file into a safetensors model directory (once)')
     p.add_argument('gguf', metavar='GGUF', help='the GGUF file (a Llama, Qwen2 or Qwen3 checkpoint)')
@@ -157,8 +191,7 @@ def _serve(args: argparse.Namespace) -> int:
     try: from nanoserve.server import run_server
     except ImportError as e: return _missing('serve', 'nanoserve.server', e)
     _quiet_transformers()
-    ops = {k: getattr(args, k) for k in ('drain_timeout', 'watchdog_timeout', 'integrity_check')
-           if getattr(args, k) is not None}
+    ops = {k: getattr(args, k) for k in _SERVE_OPTIONS if getattr(args, k) is not None}
     run_server(resolve_model(args.model, verbose=True), host=args.host, port=args.port,
                served_model_name=args.served_model_name or args.model, **ops, **engine)
     return 0

@@ -4,7 +4,8 @@
 
 # %% ../nbs/95_testing.ipynb #b8a0c004
 from __future__ import annotations
-import json, os, signal, subprocess, sys, time, urllib.error, urllib.request
+import json, os, signal, ssl, subprocess, sys, time, urllib.error, urllib.request
+from typing import Sequence
 from .processes import free_port
 
 # %% auto #0
@@ -15,23 +16,35 @@ class ServerProcess:
     "`run_server` in a child process: `with ServerProcess(model, **engine_kwargs) as s: ... s.url ...`."
     def __init__(self, model: str, host: str = '127.0.0.1', port: int | None = None, startup_timeout: float = 300.0,
                  stderr=None,      # where the server's log goes (a file object); None: this process's stderr
+                 api_key: str | Sequence[str] | None = None,   # the server's keys, passed in its environment
                  **kwargs):        # `run_server`'s arguments and engine knobs
         self.host, self.port, self.stderr = host, port or free_port(host), stderr
-        self.url = f'http://{host}:{self.port}'
+        self.keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+        self.headers = {'Authorization': f'Bearer {self.keys[0]}'} if self.keys else {}   # what `state`, `inject` send
+        https = kwargs.get('ssl_certfile') is not None
+        self.url = f"{'https' if https else 'http'}://{host}:{self.port}"
+        self._ssl = ssl._create_unverified_context() if https else None   # the harness trusts its own server
         self.kwargs = dict(model=model, host=host, port=self.port, **kwargs)
         self.startup_timeout = startup_timeout
         self.proc: subprocess.Popen | None = None
 
+    def _open(self, path: str, data: bytes | None = None, timeout: float = 10):
+        headers = {**self.headers, 'Content-Type': 'application/json'} if data is not None else self.headers
+        request = urllib.request.Request(self.url + path, data=data, headers=headers)
+        return urllib.request.urlopen(request, timeout=timeout, context=self._ssl)
+
     def start(self) -> ServerProcess:
         "Start the server and wait until it is healthy; `RuntimeError` if it exits or times out first."
         code = 'import json, sys; from nanoserve.server import run_server; run_server(**json.loads(sys.argv[1]))'
-        self.proc = subprocess.Popen([sys.executable, '-c', code, json.dumps(self.kwargs)], stderr=self.stderr)
+        env = {name: value for name, value in os.environ.items() if name != 'NANOSERVE_API_KEY'}
+        if self.keys: env['NANOSERVE_API_KEY'] = ','.join(self.keys)    # not in argv, where `ps` would show them
+        self.proc = subprocess.Popen([sys.executable, '-c', code, json.dumps(self.kwargs)], stderr=self.stderr, env=env)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f'the server exited during startup (exit code {self.proc.returncode})')
             try:
-                with urllib.request.urlopen(self.url + '/health', timeout=2) as response:
+                with self._open('/health', timeout=2) as response:
                     if response.status == 200: return self
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError): pass
             time.sleep(0.1)
@@ -51,14 +64,12 @@ class ServerProcess:
 
     def state(self) -> dict:
         "`/debug/state`: the scheduler's latest counters, the open requests, the workers' pids, why it cannot serve."
-        with urllib.request.urlopen(self.url + '/debug/state', timeout=10) as response: return json.load(response)
+        with self._open('/debug/state') as response: return json.load(response)
 
     def inject(self, **fault) -> dict:
         "Send a fault (`DebugReq` fields, or `watchdog_timeout`) to a server started with `debug_hooks=True`."
-        request = urllib.request.Request(self.url + '/debug/inject', data=json.dumps(fault).encode(), method='POST',
-                                         headers={'Content-Type': 'application/json'})
         try:
-            with urllib.request.urlopen(request, timeout=10) as response: return json.load(response)
+            with self._open('/debug/inject', json.dumps(fault).encode()) as response: return json.load(response)
         except urllib.error.HTTPError as e:
             raise RuntimeError(f'/debug/inject answered {e.code}: {e.read().decode()}') from None
 

@@ -4,10 +4,10 @@
 
 # %% ../../nbs/14e_frontend.ipynb #f6e0a004
 from __future__ import annotations
-import asyncio, time, uuid
+import asyncio, gc, hashlib, hmac, time, uuid
 from contextlib import asynccontextmanager
 from dataclasses import asdict
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
 import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
@@ -17,14 +17,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..req import SamplingParams
 from ..processes import exit_words
 from .messages import (
-    AbortReq, DebugReq, ErrorOut, GenerateReq, ReplyOut, TextOut, decode, encode, log, open_socket)
+    AbortReq, ContextLength, DebugReq, ErrorOut, GenerateReq, ReplyOut, TextOut, decode, encode, log, open_socket)
 from .protocol import (
     MAX_PROMPTS, SSE_DONE, ApiError, ChatCompletionRequest, Choice, CompletionRequest, ResponseFormat, encode_request,
     sampling_params_from, sse, usage_dict, validation_error)
 if TYPE_CHECKING: from nanoserve.server.launch import Workers
 
 # %% auto #0
-__all__ = ['ServerMetrics', 'ClientDisconnected', 'unless_disconnected', 'Generation', 'Frontend', 'build_app']
+__all__ = ['MAX_REQUEST_BYTES', 'OPEN_PATHS', 'COLLECT_AFTER_BYTES', 'ServerMetrics', 'ClientDisconnected', 'unless_disconnected',
+           'Generation', 'Frontend', 'RequestGuard', 'build_app']
 
 # %% ../../nbs/14e_frontend.ipynb #e8b7e8f6
 class _SchedulerCollector:
@@ -108,9 +109,12 @@ async def unless_disconnected(request: Request, awaitable):
 
 class Generation:
     "The backend requests of one HTTP request, and their replies as they arrive."
-    def __init__(self, frontend: Frontend, reqs: list[GenerateReq], n: int, kind: str = 'completion'):
+    def __init__(self, frontend: Frontend, reqs: list[GenerateReq], n: int, kind: str = 'completion',
+                 max_backlog: int | None = None):   # a stream: most tokens per choice its client may leave unread
         self.frontend, self.reqs, self.n, self.kind = frontend, reqs, n, kind
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.backlog = 0                                       # tokens queued for the handler, not yet taken
+        self.max_backlog = None if max_backlog is None else max_backlog * len(reqs) * n
         self.offset = {r.rid: i * n for i, r in enumerate(reqs)}
         self.unfinished = set(range(len(reqs) * n))            # choice indices
         self.prompt_tokens, self.cached_tokens, self.completion_tokens = {}, {}, 0
@@ -139,11 +143,26 @@ class Generation:
             if item.finish_reason is not None:
                 metrics.finished(item.finish_reason)
                 metrics.e2e.observe(now - self.arrival)
+            self.backlog += len(item.token_ids)
         self.queue.put_nowait(item)
+        if self.max_backlog is not None and self.backlog > self.max_backlog: self.drop_slow_reader()
+
+    def drop_slow_reader(self):
+        "A stream whose client stopped reading: stop generating, forget what it left unread, end it with an error."
+        unread = self.backlog
+        self.close()
+        while not self.queue.empty(): self.queue.get_nowait()
+        self.backlog = 0
+        log(f'dropped a stream whose client stopped reading ({unread} tokens were waiting)')
+        per_choice = self.max_backlog // (len(self.reqs) * self.n)
+        message = (f'the client read the stream too slowly: {unread} tokens were waiting to be sent, and the server '
+                   f'keeps at most {per_choice} per choice')
+        self.queue.put_nowait(ErrorOut(self.reqs[0].rid, message, 408, None, 'stream_backlog_exceeded'))
 
     async def next(self) -> TextOut:
         "The next reply; `ApiError` if the request failed."
         item = await self.queue.get()
+        if isinstance(item, TextOut): self.backlog -= len(item.token_ids)
         if isinstance(item, ErrorOut):   # completions call the prompt `prompt`, whichever of its prompts was too long
             too_long = item.code == 'context_length_exceeded' and self.kind == 'completion'
             raise ApiError(item.status, item.message, 'prompt' if too_long else item.param, item.code)
@@ -173,9 +192,10 @@ class Frontend:
     def __init__(self, model_name: str, ipc: dict[str, str], info: dict | None = None,
                  workers: Workers | None = None,    # the worker processes, watched for an exit (chapter 14f)
                  watchdog_timeout: float = 60.0,    # no scheduler progress this long, requests open: 503s; 0: off
-                 debug_hooks: bool = False):        # serve `POST /debug/inject` (tests only)
+                 debug_hooks: bool = False,         # serve `POST /debug/inject` (tests only)
+                 stream_backlog: int = 1024):       # tokens per choice a stream's client may leave unread, then dropped
         self.model_name, self.ipc, self.info, self.workers = model_name, ipc, info or {}, workers
-        self.watchdog_timeout, self.debug_hooks = watchdog_timeout, debug_hooks
+        self.watchdog_timeout, self.debug_hooks, self.stream_backlog = watchdog_timeout, debug_hooks, stream_backlog
         self.routes: dict[str, Generation] = {}     # backend rid -> its generation
         self.stats: dict = {}                       # the scheduler's latest counters
         self.fatal: str | None = None               # why the server cannot serve any more
@@ -196,6 +216,7 @@ class Frontend:
         self._sync_ctx, self._ctx = zmq.Context(), zmq.asyncio.Context()
         self._push = open_socket(self._sync_ctx, zmq.PUSH, connect=self.ipc['tokenizer'])
         self._pull = open_socket(self._ctx, zmq.PULL, bind=self.ipc['api'])
+        if self.info.get('max_model_len'): self.send(ContextLength(self.info['max_model_len']))   # before any request
         self.last_progress = time.monotonic()
         self._tasks = [asyncio.create_task(self._listen()), asyncio.create_task(self._watch())]
         try: yield
@@ -218,12 +239,12 @@ class Frontend:
         if self.drain_deadline is not None: return 'the server is shutting down (draining the requests in flight)'
         return self.stalled
 
-    def generate(self, reqs: list[GenerateReq], n: int, kind: str = 'completion') -> Generation:
+    def generate(self, reqs: list[GenerateReq], n: int, kind: str = 'completion', stream: bool = False) -> Generation:
         "Start generating; replies arrive in the returned `Generation`."
         reason = self.unavailable()
         if reason: raise ApiError(503, reason)
         data = [encode_request(r) for r in reqs]       # a value msgpack cannot carry is the request's fault: 400
-        gen = Generation(self, reqs, n, kind)
+        gen = Generation(self, reqs, n, kind, self.stream_backlog if stream else None)
         for r, d in zip(reqs, data):
             self.routes[r.rid] = gen
             self.send(r, d)
@@ -324,6 +345,79 @@ class Frontend:
         if model is not None and model != self.model_name:
             raise ApiError(404, f'The model `{model}` does not exist.', 'model', 'model_not_found')
 
+# %% ../../nbs/14e_frontend.ipynb #e3a1c002
+MAX_REQUEST_BYTES = 32 * 2**20          # 32 MiB: the largest body the server reads, unless told otherwise
+OPEN_PATHS = ('/health', '/metrics')    # served without an API key
+COLLECT_AFTER_BYTES = 2**20             # a refused body this large is freed at once, not at the next collection
+
+def _digest(key: bytes) -> bytes: return hashlib.sha256(key).digest()
+
+def _route_path(scope) -> str:
+    "The path the app routes on: the request's, less the root path a proxy mounted the server under."
+    path, root = scope['path'], scope.get('root_path', '')
+    return path[len(root):] if root and path.startswith(root + '/') else path
+
+def _closing(error: ApiError) -> Response:
+    "The response for a request refused before its body was read: the connection cannot carry another request."
+    response = error.response()
+    response.headers['Connection'] = 'close'
+    return response
+
+class RequestGuard:
+    "ASGI middleware: the API key, the body's size and the time it takes to arrive, checked before the app reads it."
+    def __init__(self, app, api_keys: Sequence[str] = (),
+                 max_request_bytes: int = MAX_REQUEST_BYTES,   # a larger body: 413, before it is read whole
+                 body_timeout: float = 30.0):                  # seconds for a body to arrive after its headers; 0: any
+        self.app, self.max_request_bytes, self.body_timeout = app, max_request_bytes, body_timeout
+        self._keys = [_digest(key.encode()) for key in api_keys]   # digests only: nothing to leak but these
+
+    def authorized(self, headers: dict) -> bool:
+        "Whether `headers` carry `Authorization: Bearer KEY` with one of the keys (compared with all, constant time)."
+        scheme, _, token = headers.get(b'authorization', b'').partition(b' ')
+        sent = _digest(token.strip())
+        matches = [hmac.compare_digest(sent, key) for key in self._keys]
+        return scheme.lower() == b'bearer' and any(matches)
+
+    def too_large(self) -> ApiError:
+        return ApiError(413, f'the request body is larger than the {self.max_request_bytes} bytes this server takes')
+
+    async def __call__(self, scope, receive, send):
+        if scope['type'] != 'http': return await self.app(scope, receive, send)
+        headers = dict(scope['headers'])
+        if self._keys and _route_path(scope) not in OPEN_PATHS and not self.authorized(headers):
+            message = 'a valid API key is required, as "Authorization: Bearer KEY"'
+            response = _closing(ApiError(401, message, None, 'invalid_api_key'))
+            response.headers['WWW-Authenticate'] = 'Bearer'
+            return await response(scope, receive, send)
+        if int(headers.get(b'content-length', 0)) > self.max_request_bytes:
+            return await _closing(self.too_large())(scope, receive, send)
+        body, status = _BoundedBody(self, receive), 0
+        async def watched_send(message):
+            nonlocal status
+            if message['type'] == 'http.response.start': status = message['status']
+            await send(message)
+        await self.app(scope, body, watched_send)
+        if status >= 400 and body.received >= COLLECT_AFTER_BYTES: gc.collect()   # a refused body, held in a cycle
+
+class _BoundedBody:
+    "A request's `receive`: a 413 once its body passes the limit, a 408 if it has not all come by the deadline."
+    def __init__(self, guard: RequestGuard, receive):
+        self.guard, self.receive, self.received, self.done = guard, receive, 0, False
+        self.deadline = time.monotonic() + guard.body_timeout if guard.body_timeout else None
+
+    async def __call__(self):
+        if self.done: return await self.receive()       # the body is in: the app only listens for a disconnect
+        timeout = None if self.deadline is None else self.deadline - time.monotonic()
+        try: message = await asyncio.wait_for(self.receive(), timeout)
+        except asyncio.TimeoutError:
+            raise StarletteHTTPException(408, f'the request body did not arrive within {self.guard.body_timeout:g} s',
+                                         headers={'Connection': 'close'}) from None
+        self.received += len(message.get('body', b''))
+        if self.received > self.guard.max_request_bytes:
+            raise StarletteHTTPException(413, self.guard.too_large().message, headers={'Connection': 'close'})
+        self.done = message['type'] != 'http.request' or not message.get('more_body', False)
+        return message
+
 # %% ../../nbs/14e_frontend.ipynb #6a743ddf
 class _EventStream(StreamingResponse):
     "An SSE response that runs `on_close` however it ends (finished, failed, or the client went away)."
@@ -353,9 +447,11 @@ async def _events(first: TextOut, gen: Generation, fmt: ResponseFormat, num_choi
     if fmt.include_usage: yield sse(fmt.usage_chunk(gen.usage()))
     yield SSE_DONE
 
-def build_app(frontend: Frontend) -> FastAPI:
-    "The FastAPI app: OpenAI's routes, `/health`, `/metrics`, `/debug/state` (and `/debug/inject` with debug hooks)."
+def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_bytes: int = MAX_REQUEST_BYTES,
+              body_timeout: float = 30.0) -> FastAPI:
+    "The app behind its `RequestGuard`: OpenAI's routes, `/health`, `/metrics`, `/debug/state` (and `/debug/inject`)."
     app = FastAPI(title='nanoserve', lifespan=frontend.lifespan)
+    app.add_middleware(RequestGuard, api_keys=api_keys, max_request_bytes=max_request_bytes, body_timeout=body_timeout)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError): return exc.response()
@@ -364,7 +460,10 @@ def build_app(frontend: Frontend) -> FastAPI:
     async def _invalid(request, exc): return validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request, exc): return ApiError(exc.status_code, str(exc.detail)).response()
+    async def _http(request, exc):
+        response = ApiError(exc.status_code, str(exc.detail)).response()
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(Exception)
     async def _crash(request, exc): return ApiError(500, f'internal error: {type(exc).__name__}').response()
@@ -408,7 +507,7 @@ def build_app(frontend: Frontend) -> FastAPI:
         want_logprobs = body.logprobs if kind == 'chat' else body.logprobs is not None
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = ResponseFormat(kind, frontend.model_name, want_logprobs, include_usage, body.return_tokens_as_token_ids)
-        gen = frontend.generate(reqs, sp.n, kind)
+        gen = frontend.generate(reqs, sp.n, kind, body.stream)
         try: first = await unless_disconnected(request, gen.next())   # errors before any token are plain HTTP errors
         except ClientDisconnected:
             gen.close()

@@ -4,17 +4,19 @@
 
 # %% ../../nbs/14f_launch.ipynb #a7f0b004
 from __future__ import annotations
-import os, signal, sys, tempfile, threading, traceback
+import os, resource, signal, sys, tempfile, threading, traceback
 import multiprocessing as mp
-from typing import Callable
+from typing import Callable, Sequence
+import h11
 import uvicorn
-from .messages import log
+from uvicorn.protocols.http.h11_impl import H11Protocol
+from .messages import log, return_freed_memory
 from .tokenizer import run_tokenizer_process
 from .scheduler import integrity_mode, run_scheduler_process
-from .frontend import Frontend, build_app
+from .frontend import MAX_REQUEST_BYTES, Frontend, build_app
 
 # %% auto #0
-__all__ = ['WorkerStartError', 'Workers', 'run_server']
+__all__ = ['WorkerStartError', 'Workers', 'api_keys', 'run_server']
 
 # %% ../../nbs/14f_launch.ipynb #c3a7e3af
 def _worker_entry(main: Callable, name: str, ready, parent_pid: int, *args):
@@ -97,11 +99,49 @@ def _model_dir(model: str) -> str:
     from nanoserve.model import resolve_model_path   # imports torch: only for hub ids
     return str(resolve_model_path(model))
 
+def api_keys(keys: str | Sequence[str] | None = None) -> list[str]:
+    "The API keys: `keys` if given, else `$NANOSERVE_API_KEY` (comma-separated); none: no key is asked for."
+    if keys is None: keys = os.environ.get('NANOSERVE_API_KEY', '').split(',')
+    elif isinstance(keys, str): keys = [keys]
+    return [key.strip() for key in keys if key.strip()]
+
+def _check_ssl(keyfile: str | None, certfile: str | None):
+    if keyfile and not certfile: raise ValueError('ssl_keyfile needs ssl_certfile')
+    for name, path in [('ssl_keyfile', keyfile), ('ssl_certfile', certfile)]:
+        if path and not os.path.isfile(path): raise FileNotFoundError(f'{name}: no such file: {path}')
+
+def _raise_open_files_limit() -> int:
+    "Raise the soft limit on open files to the hard one, as vLLM does (each connection is a file); returns the limit."
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = max(soft, 65536) if hard == resource.RLIM_INFINITY else hard
+    try: resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError): return soft
+    return target
+
+class _HttpProtocol(H11Protocol):
+    "uvicorn's HTTP/1.1, where a request head must come within `timeout_keep_alive` s of opening or of the last answer."
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        self._head_deadline = self.loop.call_later(self.timeout_keep_alive, self._head_late)
+
+    def on_response_complete(self):
+        super().on_response_complete()
+        self._head_deadline.cancel()               # the next request's head: due as long after this answer
+        self._head_deadline = self.loop.call_later(self.timeout_keep_alive, self._head_late)
+
+    def _head_late(self):
+        "Close the connection if no request head has come: a byte now and then (slowloris) does not count as one."
+        if self.conn.their_state is h11.IDLE: self.timeout_keep_alive_handler()
+
+    def connection_lost(self, exc):
+        self._head_deadline.cancel()
+        super().connection_lost(exc)
+
 class _Server(uvicorn.Server):
     "uvicorn's server, which says when it is ready, drains on SIGTERM, and fails open requests before waiting for them."
-    def __init__(self, config: uvicorn.Config, frontend: Frontend, drain_timeout: float = 0.0):
+    def __init__(self, config: uvicorn.Config, frontend: Frontend, drain_timeout: float = 0.0, num_keys: int = 0):
         super().__init__(config)
-        self.frontend, self.drain_timeout = frontend, drain_timeout
+        self.frontend, self.drain_timeout, self.num_keys = frontend, drain_timeout, num_keys
 
     def handle_exit(self, sig, frame):
         "A first SIGTERM starts a drain; SIGINT, or a signal during the drain, stops now."
@@ -113,8 +153,12 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             config, frontend = self.config, self.frontend
-            log(f'ready: serving {frontend.model_name} at http://{config.host}:{config.port} '
-                f"(max_model_len {frontend.info.get('max_model_len')})")
+            scheme = 'https' if config.is_ssl else 'http'
+            keys = f'{self.num_keys} API key(s)' if self.num_keys else 'no API key'
+            log(f'ready: serving {frontend.model_name} at {scheme}://{config.host}:{config.port}{config.root_path} '
+                f"(max_model_len {frontend.info.get('max_model_len')}; {keys})")
+            if not self.num_keys and config.host not in ('127.0.0.1', 'localhost', '::1'):
+                log(f'WARNING: listening on {config.host} without an API key: whoever reaches the port uses the model')
 
     async def shutdown(self, sockets=None):
         self.frontend.fail_all(503, self.frontend.fatal or 'the server is shutting down')
@@ -126,10 +170,23 @@ def run_server(model: str, host: str = '127.0.0.1', port: int = 8000, served_mod
                watchdog_timeout: float = 60.0,       # no scheduler progress this long, requests open: 503s; 0: off
                integrity_check: str | None = None,   # failed idle check: 'warn' or 'raise' (see `integrity_mode`)
                debug_hooks: bool = False,            # serve `POST /debug/inject` for fault-injection tests
+               api_key: str | Sequence[str] | None = None,   # required on all but /health, /metrics; None: env's
+               max_request_bytes: int = MAX_REQUEST_BYTES,   # a larger body: 413, before it is read
+               body_timeout: float = 30.0,           # seconds for a body to arrive after its headers, else 408; 0: any
+               timeout_keep_alive: float = 5.0,      # seconds a new or idle connection may wait to send a request
+               limit_concurrency: int | None = None, # connections at once, then 503s; None: open-files limit - 128
+               stream_backlog: int = 1024,           # tokens per choice a stream's client may leave unread, or dropped
+               ssl_keyfile: str | None = None,       # serve HTTPS with this key ...
+               ssl_certfile: str | None = None,      # ... and this certificate (chain)
+               root_path: str = '',                  # the path prefix a proxy serves the server under
                **engine_kwargs):
     "Serve `model` with OpenAI's API at http://host:port until Ctrl-C or SIGTERM; engine knobs as in `LLM`."
-    try: path, integrity_check = _model_dir(model), integrity_mode(integrity_check)
+    try:
+        path, integrity_check = _model_dir(model), integrity_mode(integrity_check)
+        _check_ssl(ssl_keyfile, ssl_certfile)
     except (FileNotFoundError, ValueError) as e: raise SystemExit(f'nanoserve: {e}') from None
+    keys, open_files = api_keys(api_key), _raise_open_files_limit()
+    return_freed_memory()                    # this process holds request bodies (chapter 14a)
     name = served_model_name or model
     main_thread = threading.current_thread() is threading.main_thread()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
@@ -140,10 +197,13 @@ def run_server(model: str, host: str = '127.0.0.1', port: int = 8000, served_mod
     try:
         log(f'starting the scheduler and tokenizer processes for {name}')
         info = workers.start()
-        frontend = Frontend(name, workers.ipc, info, workers, watchdog_timeout, debug_hooks)
-        config = uvicorn.Config(build_app(frontend), host=host, port=port, log_level=log_level,
-                                timeout_graceful_shutdown=5, lifespan='on')
-        server = _Server(config, frontend, drain_timeout)
+        frontend = Frontend(name, workers.ipc, info, workers, watchdog_timeout, debug_hooks, stream_backlog)
+        app = build_app(frontend, keys, max_request_bytes, body_timeout)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                                lifespan='on', http=_HttpProtocol, timeout_keep_alive=timeout_keep_alive,
+                                limit_concurrency=limit_concurrency or max(64, open_files - 128),
+                                ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile, root_path=root_path)
+        server = _Server(config, frontend, drain_timeout, len(keys))
         frontend.on_fatal = frontend.on_drained = lambda: setattr(server, 'should_exit', True)
         server.run()
         fatal = frontend.fatal

@@ -4,14 +4,15 @@
 
 # %% ../../nbs/14a_messages.ipynb #b2a0c004
 from __future__ import annotations
-import os, sys, time
+import ctypes, os, sys, time
 from dataclasses import dataclass, field, fields, is_dataclass
 import msgpack
 import zmq
 
 # %% auto #0
-__all__ = ['message', 'encode', 'decode', 'GenerateReq', 'AbortReq', 'DebugReq', 'TokenizedReq', 'TokenOut', 'ErrorOut',
-           'StepOut', 'TextOut', 'ReplyOut', 'open_socket', 'parent_alive', 'send', 'log']
+__all__ = ['message', 'encode', 'decode', 'GenerateReq', 'AbortReq', 'ContextLength', 'DebugReq', 'TokenizedReq', 'TokenOut',
+           'ErrorOut', 'StepOut', 'TextOut', 'ReplyOut', 'open_socket', 'parent_alive', 'send', 'return_freed_memory',
+           'log']
 
 # %% ../../nbs/14a_messages.ipynb #06efe8b5
 _MESSAGES: dict[str, type] = {}
@@ -55,6 +56,11 @@ class AbortReq:
     "Stop request `rid`: all its choices, or only choice `index` when `index >= 0`."
     rid: str
     index: int = -1
+
+@message
+class ContextLength:
+    "API server -> tokenizer, once, before any request: the context length, which only the scheduler knows."
+    max_model_len: int                  # the tokenizer refuses a prompt that cannot fit it before tokenizing it
 
 @message
 class DebugReq:
@@ -141,6 +147,14 @@ def send(sock: zmq.Socket, msg, parent_pid: int):
         except zmq.Again:
             if not parent_alive(parent_pid): sys.exit(0)
             time.sleep(0.01)
+
+_M_MMAP_THRESHOLD = -3   # mallopt's parameter number for it, from glibc's malloc.h
+
+def return_freed_memory(threshold: int = 128 * 1024):
+    "Have glibc's malloc map each block over `threshold` bytes alone, so that freeing it returns it; elsewhere a no-op."
+    try: mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError): return      # not glibc: its allocator keeps its own policy
+    mallopt(_M_MMAP_THRESHOLD, threshold)
 
 def log(msg: str):
     "One line for the operator, on stderr."

@@ -14,9 +14,9 @@ from ..req import SamplingParams
 from .messages import ErrorOut, GenerateReq, TextOut, encode
 
 # %% auto #0
-__all__ = ['CONTEXT_ERROR', 'MAX_N', 'MAX_PROMPTS', 'SSE_DONE', 'ApiError', 'error_from_value', 'StreamOptions',
-           'CompletionRequest', 'ChatCompletionRequest', 'sampling_params_from', 'validation_error', 'encode_request',
-           'sse', 'Choice', 'ResponseFormat', 'usage_dict']
+__all__ = ['CONTEXT_ERROR', 'MAX_N', 'MAX_PROMPTS', 'MAX_STOP', 'MAX_STOP_CHARS', 'SSE_DONE', 'ApiError', 'error_from_value',
+           'StreamOptions', 'CompletionRequest', 'ChatCompletionRequest', 'sampling_params_from', 'validation_error',
+           'encode_request', 'sse', 'Choice', 'ResponseFormat', 'usage_dict']
 
 # %% ../../nbs/14b_protocol.ipynb #9a9747ae
 class ApiError(Exception):
@@ -94,6 +94,7 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: dict | None = None
 
 MAX_N, MAX_PROMPTS = 128, 2048
+MAX_STOP, MAX_STOP_CHARS = 64, 1000   # stop strings (and stop token ids) per request; characters per stop string
 
 def _refuse_unsupported(body: _SamplingRequest):
     "400 for fields whose meaning nanoserve does not implement."
@@ -107,10 +108,20 @@ def _refuse_unsupported(body: _SamplingRequest):
     for name, used in unsupported:
         if used: raise ApiError(400, f'{name} is not supported by this server', name)
 
+def _refuse_oversized(body: _SamplingRequest):
+    "400 for more choices, stop strings or stop token ids than the server takes, or a stop string too long."
+    if body.n > MAX_N: raise ApiError(400, f'n must be <= {MAX_N}, got {body.n}', 'n')
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    for name, count in [('stop', len(stop)), ('stop_token_ids', len(body.stop_token_ids or []))]:
+        if count > MAX_STOP: raise ApiError(400, f'{name} must have at most {MAX_STOP} entries, got {count}', name)
+    longest = max(map(len, stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ApiError(400, f'stop strings must have at most {MAX_STOP_CHARS} characters, got {longest}', 'stop')
+
 def sampling_params_from(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
     "The request's `SamplingParams`; `ApiError` 400 naming the field for a bad or unsupported value."
     _refuse_unsupported(body)
-    if body.n > MAX_N: raise ApiError(400, f'n must be <= {MAX_N}, got {body.n}', 'n')
+    _refuse_oversized(body)
     renamed = {}          # SamplingParams' name of a field -> the request's name for it
     if isinstance(body, ChatCompletionRequest):
         max_tokens = body.max_tokens

@@ -10,11 +10,12 @@ from typing import Any
 import zmq
 from ..req import SamplingParams
 from .messages import (
-    AbortReq, DebugReq, ErrorOut, GenerateReq, ReplyOut, StepOut, TextOut, TokenizedReq, TokenOut, decode, log,
-    open_socket, parent_alive, send)
+    AbortReq, ContextLength, DebugReq, ErrorOut, GenerateReq, ReplyOut, StepOut, TextOut, TokenizedReq, TokenOut,
+    decode, log, open_socket, parent_alive, return_freed_memory, send)
+from .protocol import error_from_value
 
 # %% auto #0
-__all__ = ['TokenizerWorker', 'run_tokenizer_process']
+__all__ = ['max_token_chars', 'TokenizerWorker', 'run_tokenizer_process']
 
 # %% ../../nbs/14c_tokenizer.ipynb #99b025fc
 def _text_content(content) -> str:
@@ -24,6 +25,12 @@ def _text_content(content) -> str:
     if isinstance(content, list) and all(isinstance(p, dict) and p.get('type') == 'text' for p in content):
         return '\n'.join(str(p.get('text', '')) for p in content)
     raise ValueError('messages: only text content is supported')
+
+def max_token_chars(tokenizer) -> int:
+    "The most characters of a prompt one token can stand for: the longest vocabulary entry (x2 if text is normalized)."
+    longest = max(map(len, tokenizer.get_vocab()))
+    backend = getattr(tokenizer, 'backend_tokenizer', None)     # a fast tokenizer says whether it normalizes
+    return longest if backend is not None and backend.normalizer is None else 2 * longest
 
 class TokenizerWorker:
     "The tokenizer process's logic: prompts to token ids on the way in, tokens to text on the way out."
@@ -37,23 +44,32 @@ class TokenizerWorker:
         self._token_strs: dict[int, str] = {}
         self._fail_next: int | None = None             # injected: the next request fails past this many tokens
         self._failing: dict[str, int] = {}             # injected: rid -> the tokens past which detokenizing it fails
+        self.max_token_chars = max_token_chars(tokenizer)
+        self.max_model_len: int | None = None          # from `ContextLength`; None: prompts are not bounded here
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
-        "A conversation as prompt ids: the chat template, with the assistant's turn opened."
+    def chat_text(self, messages: list[dict]) -> str:
+        "A conversation as prompt text: the chat template, with the assistant's turn opened."
         if not all(isinstance(m, dict) and isinstance(m.get('role'), str) for m in messages):
             raise ValueError("messages: each message must be an object with a 'role'")
         conversation = [dict(m, content=_text_content(m.get('content'))) for m in messages]
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
                                                   chat_template=self.chat_template)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def too_long(self, text: str) -> str | None:
+        "Why `text` cannot fit the context, whatever it tokenizes to; None if it may."
+        if self.max_model_len is None or len(text) <= self.max_token_chars * self.max_model_len: return None
+        return (f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f'{len(text)} characters, more than {self.max_model_len} tokens can hold (a token of this model '
+                f'stands for at most {self.max_token_chars} characters). Please reduce the length of the prompt.')
 
     def tokenize(self, msg: GenerateReq) -> TokenizedReq | ErrorOut:
-        "Tokenize one request, or say why it cannot be."
+        "Tokenize one request, or say why it cannot be; a text too long for the context is refused untokenized."
         param = 'messages' if msg.messages is not None else 'prompt'
         try:
-            if msg.messages is not None: ids = self.render_chat(msg.messages)
-            elif msg.prompt is not None: ids = self.tokenizer(msg.prompt).input_ids
-            else: ids = [int(t) for t in msg.prompt_ids or []]
+            text = self.chat_text(msg.messages) if msg.messages is not None else msg.prompt
+            if text is not None and (why := self.too_long(text)): return error_from_value(msg.rid, ValueError(why))
+            if text is None: ids = [int(t) for t in msg.prompt_ids or []]
+            else: ids = self.tokenizer(text, add_special_tokens=msg.messages is None).input_ids
             sp = SamplingParams(**msg.params)
         except Exception as e:   # template errors come as jinja2 or ValueError; all are the request's fault
             text = str(e)
@@ -119,11 +135,12 @@ class TokenizerWorker:
         return TextOut(t.rid, t.index, text, t.token_ids, logprobs, finish, stop_reason, t.prompt_len, t.cached_len)
 
 # %% ../../nbs/14c_tokenizer.ipynb #c3a7e3af
-def run_tokenizer_process(ready: Connection,        # says 'ready' (with this process's pid) once the sockets are open
+def run_tokenizer_process(ready: Connection,        # says 'ready' (with its pid, `max_token_chars`) once listening
                           parent_pid: int, path: str, ipc: dict[str, str], chat_template: str | None = None,
                           debug_hooks: bool = False):
     "The tokenizer process: tokenize requests on their way in, detokenize tokens on their way out."
     from transformers import AutoTokenizer
+    return_freed_memory()          # a refused 20 MB prompt leaves nothing behind (chapter 14a)
     worker = TokenizerWorker(AutoTokenizer.from_pretrained(path), chat_template, debug_hooks)
     ctx = zmq.Context()
     inbox = open_socket(ctx, zmq.PULL, bind=ipc['tokenizer'])
@@ -133,7 +150,7 @@ def run_tokenizer_process(ready: Connection,        # says 'ready' (with this pr
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     poller.register(from_scheduler, zmq.POLLIN)
-    ready.send(('ready', {'tokenizer_pid': os.getpid()}))
+    ready.send(('ready', {'tokenizer_pid': os.getpid(), 'max_token_chars': worker.max_token_chars}))
     while parent_alive(parent_pid):
         for sock, _ in poller.poll(100):
             msg = decode(sock.recv())
@@ -144,6 +161,7 @@ def run_tokenizer_process(ready: Connection,        # says 'ready' (with this pr
             elif isinstance(msg, AbortReq):
                 worker.forget(msg.rid, msg.index)
                 send(to_scheduler, msg, parent_pid)
+            elif isinstance(msg, ContextLength): worker.max_model_len = msg.max_model_len
             elif isinstance(msg, DebugReq):
                 worker.debug(msg)
                 send(to_scheduler, msg, parent_pid)
