@@ -16,7 +16,6 @@ from .model import resolve_model_path
 from .req import SamplingParams
 from .pages import PageAllocator, PageTable
 from .scheduler import FakeRunner, Scheduler
-from .cpu_kernels import cpu_kernels, linear_cpu, pack_panels
 from .metadata import build_metadata
 from .sampling import SamplingBatch
 from .llm import make_engine
@@ -136,6 +135,7 @@ def matmul_rate(n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.floa
         if hasattr(torch.ops.mkldnn, '_reorder_linear_weight'):
             packed = torch.ops.mkldnn._reorder_linear_weight(b, 64)
             fns.append(lambda a, b: torch.ops.mkldnn._linear_pointwise(a, packed, None, 'none', [], ''))
+        from nanoserve.cpu_kernels import cpu_kernels, linear_cpu, pack_panels   # the appendix's C product, when asked for
         if cpu_kernels() is not None:
             panels = pack_panels(b)
             fns.append(lambda a, b: linear_cpu(a, panels))

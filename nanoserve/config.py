@@ -131,7 +131,7 @@ class EngineConfig:
     batch_policy: str = 'mixed'          # 'mixed', 'prefill-first' or 'decode-first' (chapter 05)
     decode_reserve_ratio: float = 0.5    # fraction of running requests' remaining tokens held back at admission
     enable_prefix_caching: bool = True   # share KV of common prefixes through the radix cache
-    attention_backend: str = 'auto'      # 'auto', 'torch' or 'triton'
+    attention_backend: str = 'auto'      # 'auto', 'torch', 'triton' or 'cpu' (the C backend of appendix B)
     enable_overlap: bool = True          # overlap scheduling with the forward pass (chapter 11)
     cuda_graph_max_bs: int = 256         # largest decode batch captured in a CUDA graph; 0 disables graphs
     seed: int = 0                        # seed of the sampler's default generator
@@ -150,7 +150,8 @@ class EngineConfig:
         if not self.kv_cache_memory_gb > 0: bad('kv_cache_memory_gb', 'must be > 0')
         if not 0 < self.decode_reserve_ratio <= 1: bad('decode_reserve_ratio', 'must be in (0, 1]')
         if self.batch_policy not in BATCH_POLICIES: bad('batch_policy', f"must be one of {', '.join(BATCH_POLICIES)}")
-        if self.attention_backend not in ('auto', 'torch', 'triton'): bad('attention_backend', "must be 'auto', 'torch' or 'triton'")
+        if self.attention_backend not in ('auto', 'torch', 'triton', 'cpu'):
+            bad('attention_backend', "must be 'auto', 'torch', 'triton' or 'cpu'")
         if not isinstance(self.cuda_graph_max_bs, int) or self.cuda_graph_max_bs < 0: bad('cuda_graph_max_bs', 'must be an integer >= 0')
         if not isinstance(self.seed, int): bad('seed', 'must be an integer')
 

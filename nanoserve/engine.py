@@ -13,14 +13,13 @@ from .config import EngineConfig, ModelConfig, default_num_batched_tokens, resol
 from .req import Batch, Req, SamplingParams
 from .pages import PageAllocator, PageTable
 from .scheduler import ModelRunner, Scheduler, StepOutput
-from .model import CPU_OPS, TORCH_OPS, TRITON_OPS, load_model, resolve_model_path
-from .metadata import GraphRunner, build_metadata, make_attention_backend
-from .cpu_kernels import zeros_huge
+from .model import load_model, resolve_model_path
+from .metadata import ATTENTION_BACKENDS, AttentionBackend, GraphRunner, build_metadata, make_attention_backend
 from .sampling import SampleOutput, Sampler, SamplingBatch
 
 # %% auto #0
-__all__ = ['local_kv_heads', 'kv_bytes_per_page', 'num_kv_pages', 'step_output', 'run_step', 'Worker', 'make_scheduler', 'Engine',
-           'save_tiny_model']
+__all__ = ['local_kv_heads', 'kv_bytes_per_page', 'num_kv_pages', 'step_output', 'run_step', 'make_backend', 'Worker',
+           'make_scheduler', 'Engine', 'save_tiny_model']
 
 # %% ../nbs/10_engine.ipynb #7052e94c
 def local_kv_heads(config: ModelConfig, tp_size: int = 1) -> int:
@@ -60,6 +59,20 @@ def run_step(runner, batch: Batch) -> StepOutput:
     out = runner.sample(batch, runner.compute_logits(batch))
     return step_output(batch, out, out.tokens.tolist() if out is not None else [])
 
+# %% ../nbs/10_engine.ipynb #6f7a8b9c
+def make_backend(name: str,                  # `EngineConfig.attention_backend`
+                 shape: tuple[int, ...],     # the KV pools: [num_layers, num_slots, kv_heads, head_dim]
+                 dtype: torch.dtype, device: torch.device,
+                 scale: float) -> AttentionBackend:
+    "Zeroed KV pools and the attention backend `name` over them: chapter 08's, or `'cpu'`, the C backend of chapter 91."
+    backends, zeros = ATTENTION_BACKENDS, lambda: torch.zeros(shape, dtype=dtype, device=device)
+    if name == 'cpu' or (name == 'auto' and device.type == 'cpu'):
+        from nanoserve.cpu_backend import CpuAttentionBackend    # the appendix: loaded here only, when a CPU asks for it
+        backends = {**backends, 'cpu': CpuAttentionBackend}
+        if CpuAttentionBackend.unsupported(device, dtype, shape[-1]) is None:
+            name, zeros = 'cpu', lambda: CpuAttentionBackend.zeros(shape, dtype)
+    return make_attention_backend(name, zeros(), zeros(), scale, backends)
+
 # %% ../nbs/10_engine.ipynb #860e6be9
 class Worker:
     "One rank's device side: the model, its KV pool, the attention backend and the sampler."
@@ -81,14 +94,9 @@ class Worker:
         self.allocator = PageAllocator(self.num_pages, config.page_size)
         self.table = PageTable(config.max_running_requests, self.max_model_len, self.allocator, self.device)
         shape = (mc.num_layers, self.allocator.num_slots, local_kv_heads(mc, tp_size), mc.head_dim)
-        if self.device.type == 'cpu':   # huge pages: the attention kernel jumps from page to page of the pool
-            self.k_cache, self.v_cache = zeros_huge(shape, self.dtype), zeros_huge(shape, self.dtype)
-        else:
-            self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.backend = make_attention_backend(config.attention_backend, self.k_cache, self.v_cache, mc.head_dim ** -0.5)
-        # the Triton backend brings the Triton norm/rope/act too; on a CPU, chapter 06a's C ops
-        self.model.use_ops(TRITON_OPS if self.backend.name == 'triton' else CPU_OPS if self.device.type == 'cpu' else TORCH_OPS)
+        self.backend = make_backend(config.attention_backend, shape, self.dtype, self.device, mc.head_dim ** -0.5)
+        self.k_cache, self.v_cache = self.backend.k_cache, self.backend.v_cache
+        self.backend.bind(self.model)            # the ops the model runs beside the backend
         self.graphs = None      # decode CUDA graphs (chapter 08): on a GPU, with the Triton backend
         if self.device.type == 'cuda' and self.backend.name == 'triton' and config.cuda_graph_max_bs > 0:
             self.graphs = GraphRunner(self.model, self.backend, self.table, min(config.cuda_graph_max_bs, config.max_running_requests))

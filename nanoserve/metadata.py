@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from .req import Batch
 from .pages import PageTable
 from .kernels import INTERPRET, decode_attention, decode_num_splits, extend_attention, store_kv
-from .cpu_kernels import PagedAttention, cpu_kernels, extend_blocks, shared_prefix_blocks
+from .model import TORCH_OPS, TRITON_OPS, DecoderForCausalLM, Ops
 
 # %% auto #0
-__all__ = ['ATTENTION_BACKENDS', 'ForwardMeta', 'build_metadata', 'length_groups', 'AttentionBackend', 'TorchAttentionBackend',
-           'TritonAttentionBackend', 'make_attention_backend', 'graph_batch_sizes', 'GraphRunner']
+__all__ = ['Extend', 'ATTENTION_BACKENDS', 'ForwardMeta', 'build_metadata', 'length_groups', 'extends', 'attend_extends',
+           'AttentionBackend', 'TorchAttentionBackend', 'TritonAttentionBackend', 'make_attention_backend',
+           'graph_batch_sizes', 'GraphRunner']
 
 # %% ../nbs/08_metadata.ipynb #dc822f1e
 @dataclass
@@ -75,12 +76,49 @@ def length_groups(seq_lens: list[int], page_size: int, min_saving: int = 1024, m
     for j in range(1, len(order) + 1):   # cut before row j when the rows after it would save enough padded positions
         if j == len(order) or (j - start >= min_rows and len(order) - j >= min_rows
                                and (pages[start] - pages[j]) * page_size * (len(order) - j) >= min_saving):
-            groups.append((order[start:j], pages[start])); start = j
+            groups.append((order[start:j], pages[start]))
+            start = j
     return groups
+
+Extend = tuple[int, int, int, int]
+"One request of a prefill or mixed step: `(page-table row, cached prefix, new tokens, index of its first token in the batch)`."
+
+def extends(meta: ForwardMeta) -> list[Extend]:
+    "The requests of a prefill or mixed step, as `attend_extends` takes them."
+    starts = (meta.last_indices - meta.extend_lens + 1).tolist()
+    return list(zip(meta.table_idx.tolist(), meta.prefix_lens.tolist(), meta.extend_lens.tolist(), starts))
+
+def attend_extends(q: torch.Tensor,            # [T, H, D]: the step's queries
+                   k: torch.Tensor,            # [T, KVH, D]: its new keys (already stored in `k_cache`)
+                   v: torch.Tensor,            # [T, KVH, D]: its new values
+                   k_cache: torch.Tensor,      # [num_slots, KVH, D]: one layer's pool
+                   v_cache: torch.Tensor,
+                   page_table: torch.Tensor,   # [rows, max_len] int32
+                   requests: list[Extend],     # the requests to attend (others' rows of `out` are left as they are)
+                   scale: float,
+                   out: torch.Tensor):         # [T, H, D]: written at each request's rows
+    "Each request's new tokens attend to its cached prefix, gathered through its page-table row, and to themselves causally."
+    T, H, D = q.shape
+    kvh = k.shape[1]
+    g = H // kvh
+    for row, prefix, n, s in requests:
+        if prefix == 0:                                   # nothing cached: plain causal attention over the new keys
+            qi, ki, vi = (t[s:s + n].to(k_cache.dtype).transpose(0, 1)[None] for t in (q, k, v))   # [1, heads, n, D]
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+            out[s:s + n] = o[0].transpose(0, 1).to(q.dtype)
+            continue
+        idx = page_table[row, :prefix + n].long()                                            # a cached prefix: gather
+        keys, vals = k_cache[idx].transpose(0, 1)[None], v_cache[idx].transpose(0, 1)[None]  # [1, KVH, S, D]
+        qi = q[s:s + n].view(n, kvh, g, D).permute(1, 2, 0, 3).reshape(1, kvh, g * n, D)     # group-major rows
+        qpos = (prefix + torch.arange(n, device=q.device)).repeat(g)                         # position of each row
+        mask = torch.arange(prefix + n, device=q.device)[None, :] <= qpos[:, None]
+        o = _attend(qi.to(keys.dtype), keys, vals, mask[None, None], scale)                  # [1, KVH, G*n, D]
+        out[s:s + n] = o.view(kvh, g, n, D).permute(2, 0, 1, 3).reshape(n, H, D).to(q.dtype)
 
 class AttentionBackend:
     "What the model's attention layers call: store new K/V into the paged pool, then attend through the page table."
     name = ''
+    ops: Ops = TORCH_OPS             # the small ops and the product the model runs beside this backend
     def __init__(self,
                  k_cache: torch.Tensor,  # [num_layers, num_slots, kv_heads, head_dim]
                  v_cache: torch.Tensor,  # same
@@ -88,19 +126,19 @@ class AttentionBackend:
         self.k_cache, self.v_cache, self.scale = k_cache, v_cache, scale
         self.meta: ForwardMeta | None = None
 
-class TorchAttentionBackend(AttentionBackend):
-    "Stores K/V into the paged pool and attends through the page table: with the C kernel on a CPU, else with plain torch ops."
-    name = 'torch'
-    kernel_extend_max: int | None = 2048   # with the C kernel, prefill requests of up to this many new tokens use it (None: all)
+    def bind(self, model: DecoderForCausalLM):
+        "Set `model` up to run beside this backend: every layer takes the backend's `ops`."
+        model.use_ops(self.ops)
 
-    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, use_cpu_kernel: bool | None = None):
+class TorchAttentionBackend(AttentionBackend):
+    "Stores K/V into the paged pool and attends through the page table with plain torch ops: the reference."
+    name = 'torch'
+    tile_bytes = 4 << 20   # on a CPU, decode attends a few requests at a time: their gathered K and V stay in cache
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
         super().__init__(k_cache, v_cache, scale)
-        can = (k_cache.device.type == 'cpu' and k_cache.dtype == torch.float32 and k_cache.shape[-1] % 8 == 0
-               and cpu_kernels() is not None)
-        if use_cpu_kernel and not can: raise ValueError('use_cpu_kernel: the C kernel needs an fp32 CPU pool, head_dim % 8 == 0 and a C compiler')
-        self.use_cpu_kernel = can if use_cpu_kernel is None else use_cpu_kernel
         self._buffers: dict[str, torch.Tensor] = {}   # decode's gathered keys and values, reused by every layer
-        if k_cache.device.type == 'cpu' and not self.use_cpu_kernel:   # a tile's worth, touched now: memory stays flat later
+        if k_cache.device.type == 'cpu':              # a tile's worth, touched now: memory stays flat later
             self._buffers = {n: torch.zeros(self.tile_bytes // 2 // k_cache.element_size(), dtype=k_cache.dtype) for n in 'kv'}
 
     def _gather(self, pool: torch.Tensor, pages: torch.Tensor, name: str) -> torch.Tensor:
@@ -111,16 +149,11 @@ class TorchAttentionBackend(AttentionBackend):
             buf = self._buffers[name] = torch.empty(n + n // 4, dtype=pool.dtype, device=pool.device)
         return torch.index_select(pool, 0, pages, out=buf[:n].view(-1, pool.shape[1]))
 
-    tile_bytes = 4 << 20   # on a CPU, decode attends a few requests at a time: their gathered K and V stay in cache
-
     def prepare(self, meta: ForwardMeta):
         "Take the metadata of the batch about to run and work out, once for all layers, how each part of it attends."
         self.meta, ps = meta, meta.page_size
-        if meta.phase != 'decode': return self._prepare_prefill(meta)
-        if self.use_cpu_kernel:                  # the C kernel: rows in blocks by shared leading pages
-            lens = meta.host_seq_lens if meta.host_seq_lens is not None else meta.seq_lens.tolist()
-            blocks = shared_prefix_blocks(meta.page_table, meta.table_idx.tolist(), lens, ps)
-            self._plan = PagedAttention(meta.page_table, meta.table_idx, meta.seq_lens, ps, blocks)   # checked once, run per layer
+        if meta.phase != 'decode':
+            self._extends = extends(meta)
             return
         lens, dev = meta.host_seq_lens, meta.table_idx.device
         groups = length_groups(lens, ps) if lens is not None else [(None, -(-meta.max_seq_len // ps))]
@@ -141,69 +174,34 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = (torch.arange(n * ps, device=dev)[None, :] < seq[:, None].long())[:, None, None, :]
                 self._tiles.append((idx, pages, mask))
 
-    def _prepare_prefill(self, meta: ForwardMeta):
-        "A prefill: the requests the C kernel takes (their tokens, rows, lengths, blocks), and the host numbers of the others."
-        prefix, extend, rows = meta.prefix_lens.tolist(), meta.extend_lens.tolist(), meta.table_idx.tolist()
-        starts = (meta.last_indices - meta.extend_lens + 1).tolist()
-        limit = self.kernel_extend_max
-        pick = [i for i, n in enumerate(extend) if self.use_cpu_kernel and (limit is None or n <= limit)]
-        self._kernel_rows = None
-        if pick:
-            tokens = torch.cat([torch.arange(starts[i], starts[i] + extend[i]) for i in pick])   # their tokens in the batch
-            self._kernel_rows = (tokens, PagedAttention(meta.page_table, torch.repeat_interleave(meta.table_idx[pick], meta.extend_lens[pick]),
-                                                        (meta.positions[tokens] + 1).int(),                   # each token sees up to itself
-                                                        meta.page_size, extend_blocks([prefix[i] for i in pick], [extend[i] for i in pick])))
-        picked = set(pick)
-        self._torch_rows = [(rows[i], prefix[i], extend[i], starts[i]) for i in range(len(extend)) if i not in picked]
-
-    def cpu_decode_step(self) -> tuple | None:
-        "For a model that runs a decode step's layers in one C call (chapter 06a's `decode_layers_cpu`): the step's plan, the pools, the new tokens' slots and the scale; None when the C kernel does not attend this step."
-        if not (self.use_cpu_kernel and self.meta.phase == 'decode'): return None
-        return self._plan, self.k_cache, self.v_cache, self.meta.out_loc, self.scale
-
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         "Store `k`, `v` `[T, KVH, D]` for `layer`, then attend with `q` `[T, H, D]`; returns `[T, H, D]`."
         m, kc, vc = self.meta, self.k_cache[layer], self.v_cache[layer]
-        if self.use_cpu_kernel and m.phase == 'decode':      # store the new K/V, then read each request's pages in place
-            return self._plan.run(q, kc, vc, self.scale, k_new=k.to(kc.dtype), v_new=v.to(vc.dtype), new_slots=m.out_loc)
-        kc[m.out_loc] = k.to(kc.dtype); vc[m.out_loc] = v.to(vc.dtype)
+        kc[m.out_loc] = k.to(kc.dtype)
+        vc[m.out_loc] = v.to(vc.dtype)
+        if m.phase != 'decode':
+            out = torch.empty_like(q)
+            attend_extends(q, k, v, kc, vc, m.page_table, self._extends, self.scale, out)
+            return out
         T, H, D = q.shape
-        kvh = k.shape[1]; g = H // kvh
-        if m.phase == 'decode':
-            kp, vp = kc.view(-1, m.page_size * kvh * D), vc.view(-1, m.page_size * kvh * D)   # one row per page
-            q4 = q.view(T, kvh, g, D).to(kc.dtype)
-            out = None if len(self._tiles) == 1 else torch.empty_like(q4)
-            for idx, pages, mask in self._tiles:
-                b, S = mask.shape[0], mask.shape[-1]
-                keys = self._gather(kp, pages, 'k').view(b, S, kvh, D).transpose(1, 2)     # [b, KVH, S, D]
-                vals = self._gather(vp, pages, 'v').view(b, S, kvh, D).transpose(1, 2)
-                o = _attend(q4 if idx is None else q4[idx], keys, vals, mask, self.scale)  # [b, KVH, G, D]
-                if idx is None: out = o
-                else: out.index_copy_(0, idx, o)
-            return out.reshape(T, H, D).to(q.dtype)
-        out = torch.empty_like(q)
-        if self._kernel_rows is not None:                    # prefill requests the C kernel takes, all in one call
-            tokens, plan = self._kernel_rows
-            out[tokens] = plan.run(q[tokens], kc, vc, self.scale)
-        for row, prefix, n, s in self._torch_rows:
-            if prefix == 0:                                   # nothing cached: plain causal attention over the new keys
-                qi, ki, vi = (t[s:s + n].to(kc.dtype).transpose(0, 1)[None] for t in (q, k, v))   # [1, heads, n, D]
-                o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale, enable_gqa=True)
-                out[s:s + n] = o[0].transpose(0, 1).to(q.dtype)
-                continue
-            idx = m.page_table[row, :prefix + n].long()                                        # a cached prefix: gather
-            keys, vals = kc[idx].transpose(0, 1)[None], vc[idx].transpose(0, 1)[None]          # [1, KVH, S, D]
-            qi = q[s:s + n].view(n, kvh, g, D).permute(1, 2, 0, 3).reshape(1, kvh, g * n, D)   # group-major rows
-            qpos = (prefix + torch.arange(n, device=q.device)).repeat(g)                       # position of each row
-            mask = torch.arange(prefix + n, device=q.device)[None, :] <= qpos[:, None]
-            o = _attend(qi.to(keys.dtype), keys, vals, mask[None, None], self.scale)           # [1, KVH, G*n, D]
-            out[s:s + n] = o.view(kvh, g, n, D).permute(2, 0, 1, 3).reshape(n, H, D).to(q.dtype)
-        return out
+        kvh = k.shape[1]
+        kp, vp = kc.view(-1, m.page_size * kvh * D), vc.view(-1, m.page_size * kvh * D)   # one row per page
+        q4 = q.view(T, kvh, H // kvh, D).to(kc.dtype)
+        out = None if len(self._tiles) == 1 else torch.empty_like(q4)
+        for idx, pages, mask in self._tiles:
+            b, S = mask.shape[0], mask.shape[-1]
+            keys = self._gather(kp, pages, 'k').view(b, S, kvh, D).transpose(1, 2)     # [b, KVH, S, D]
+            vals = self._gather(vp, pages, 'v').view(b, S, kvh, D).transpose(1, 2)
+            o = _attend(q4 if idx is None else q4[idx], keys, vals, mask, self.scale)  # [b, KVH, G, D]
+            if idx is None: out = o
+            else: out.index_copy_(0, idx, o)
+        return out.reshape(T, H, D).to(q.dtype)
 
 # %% ../nbs/08_metadata.ipynb #389481fb
 class TritonAttentionBackend(AttentionBackend):
     "Stores K/V and attends through the page table with the Triton kernels: flash decoding, and paged flash attention for prefill."
     name = 'triton'
+    ops = TRITON_OPS                 # chapter 06's norm, rope and activation beside its attention
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
         super().__init__(k_cache, v_cache, scale)
         self._num_sms = torch.cuda.get_device_properties(k_cache.device).multi_processor_count if k_cache.is_cuda else 0
@@ -228,13 +226,15 @@ class TritonAttentionBackend(AttentionBackend):
 # %% ../nbs/08_metadata.ipynb #84b55a86
 ATTENTION_BACKENDS = {'torch': TorchAttentionBackend, 'triton': TritonAttentionBackend}
 
-def make_attention_backend(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
-    "The attention backend `name` ('auto': triton on CUDA, torch elsewhere) over the pool `k_cache`, `v_cache`."
+def make_attention_backend(name: str, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                           backends: dict[str, type[AttentionBackend]] = ATTENTION_BACKENDS) -> AttentionBackend:
+    "The attention backend `name` of `backends` ('auto': triton on CUDA, torch elsewhere) over the pool `k_cache`, `v_cache`."
     if name == 'auto': name = 'triton' if k_cache.is_cuda else 'torch'
-    if name not in ATTENTION_BACKENDS: raise ValueError(f"attention_backend: must be 'auto', 'torch' or 'triton', got {name!r}")
+    if name not in backends:
+        raise ValueError(f"attention_backend: must be 'auto' or one of {', '.join(map(repr, backends))}; got {name!r}")
     if name == 'triton' and not k_cache.is_cuda and not INTERPRET:
         raise ValueError("attention_backend: 'triton' needs the KV pool on a GPU, or the Triton interpreter (TRITON_INTERPRET=1)")
-    return ATTENTION_BACKENDS[name](k_cache, v_cache, scale)
+    return backends[name](k_cache, v_cache, scale)
 
 # %% ../nbs/08_metadata.ipynb #f8449655
 def graph_batch_sizes(max_bs: int) -> list[int]:

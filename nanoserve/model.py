@@ -16,26 +16,24 @@ from torch import nn
 
 from .config import ModelConfig
 from .kernels import rms_norm, rms_norm_ref, rope, rope_cos_sin_cache, rope_ref, silu_and_mul, silu_and_mul_ref
-from .cpu_kernels import (DecoderWeights, LayerWeights, cpu_kernels, decode_layers_cpu, linear_cpu, pack_decoder,
-    pack_panels, rms_norm_cpu, rope_cpu, silu_and_mul_cpu)
 
 # %% auto #0
-__all__ = ['TORCH_OPS', 'TRITON_OPS', 'CPU_OPS', 'AttentionFn', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'Ops',
-           'default_weight_loader', 'linear', 'pack_cpu_weights', 'unpack_cpu_weights', 'ColumnParallelLinear',
-           'MergedColumnParallelLinear', 'QKVParallelLinear', 'RowParallelLinear', 'VocabParallelEmbedding',
-           'ParallelLMHead', 'RMSNorm', 'RotaryEmbedding', 'Attention', 'MLP', 'DecoderLayer', 'DecoderModel',
-           'DecoderForCausalLM', 'build_model', 'checkpoint_files', 'load_weights', 'resolve_model_path', 'load_model']
+__all__ = ['TORCH_OPS', 'TRITON_OPS', 'AttentionFn', 'LayersRunner', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'Ops',
+           'default_weight_loader', 'ColumnParallelLinear', 'MergedColumnParallelLinear', 'QKVParallelLinear',
+           'RowParallelLinear', 'VocabParallelEmbedding', 'ParallelLMHead', 'RMSNorm', 'RotaryEmbedding', 'Attention',
+           'MLP', 'DecoderLayer', 'DecoderModel', 'DecoderForCausalLM', 'build_model', 'checkpoint_files',
+           'load_weights', 'resolve_model_path', 'load_model']
 
 # %% ../nbs/07_model.ipynb #e707e8a4
 class Ops(NamedTuple):
-    "The three small ops of a forward pass, by name; every layer calls them through its `ops`."
+    "The small ops and the product of a forward pass, by name; every layer calls them through its `ops`."
     rms_norm: Callable
     rope: Callable
     silu_and_mul: Callable
+    linear: Callable            # `(x, weight, bias=None) -> x weight^T + bias`, as `F.linear`
 
-TORCH_OPS = Ops(rms_norm_ref, rope_ref, silu_and_mul_ref)   # any device: the CPU default and the reference
-TRITON_OPS = Ops(rms_norm, rope, silu_and_mul)              # chapter 06's kernels: on a GPU, or in the interpreter
-CPU_OPS = Ops(rms_norm_cpu, rope_cpu, silu_and_mul_cpu)     # chapter 06a's C ops: fp32 on a CPU (else each falls back to its reference)
+TORCH_OPS = Ops(rms_norm_ref, rope_ref, silu_and_mul_ref, F.linear)   # any device: the CPU default and the reference
+TRITON_OPS = Ops(rms_norm, rope, silu_and_mul, F.linear)              # chapter 06's kernels: on a GPU, or in the interpreter
 
 # %% ../nbs/07_model.ipynb #c269e58e
 def _divide(n: int, d: int, what: str) -> int:
@@ -63,37 +61,6 @@ def _parameter(*shape: int, loader: Callable | None = None) -> nn.Parameter:
     p.weight_loader = loader or default_weight_loader
     return p
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    "`F.linear`; in fp32 on a CPU through chapter 06a's C product, once `pack_cpu_weights` has given the weight its panels."
-    # NOTE: the same products summed in another order: equal to F.linear to fp32 rounding, not bit for bit.
-    panels = getattr(weight, 'cpu_panels', None)
-    if panels is None or x.dim() != 2 or x.dtype != torch.float32 or x.device.type != 'cpu' or x.requires_grad or weight.requires_grad:
-        return F.linear(x, weight, bias)
-    return linear_cpu(x, panels, bias)
-
-def _cpu_linears(model: nn.Module):
-    "The fp32 CPU weights of `model`'s linear layers and LM head."
-    for m in model.modules():
-        w = getattr(m, 'weight', None)
-        if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)) and w.device.type == 'cpu' and w.dtype == torch.float32:
-            yield w
-
-def pack_cpu_weights(model: nn.Module) -> int:
-    "Give each fp32 CPU linear weight of `model` its panels for chapter 06a's C product (where the C kernels build); returns how many."
-    # NOTE: the panels are a copy of the weight as it is now: load_weights drops them, load_model packs again.
-    if cpu_kernels() is None: return 0
-    n = 0
-    for w in _cpu_linears(model): w.cpu_panels = pack_panels(w); n += 1
-    for m in model.modules():                       # a decoder's layers also for its one-call decode step (below)
-        if hasattr(m, 'pack_cpu_decoder'): m.cpu_decoder = m.pack_cpu_decoder()
-    return n
-
-def unpack_cpu_weights(model: nn.Module):
-    "Drop the panels (before the weights change)."
-    for p in model.parameters(): p.__dict__.pop('cpu_panels', None)
-    for m in model.modules():
-        if hasattr(m, 'cpu_decoder'): m.cpu_decoder = None
-
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(x)
     return x
@@ -114,6 +81,7 @@ class ColumnParallelLinear(nn.Module):
         self.local_output_size = self._local_output_size()
         self.weight = _parameter(self.local_output_size, input_size, loader=self.weight_loader)
         self.bias = _parameter(self.local_output_size, loader=self.weight_loader) if bias else None
+        self.ops = TORCH_OPS
 
     def _local_output_size(self) -> int: return _divide(self.output_size, self.tp_size, 'output_size')
 
@@ -123,7 +91,7 @@ class ColumnParallelLinear(nn.Module):
         n = self.local_output_size
         _copy(param.data, loaded_weight, (self.output_size, *param.shape[1:]), lambda t: t.narrow(0, self.tp_rank * n, n))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor: return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor: return self.ops.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f'{self.input_size} -> {self.local_output_size} of {self.output_size} (rank {self.tp_rank}/{self.tp_size}), bias={self.bias is not None}'
@@ -186,6 +154,7 @@ class RowParallelLinear(nn.Module):
         self.local_input_size = _divide(input_size, tp_size, 'input_size')
         self.weight = _parameter(output_size, self.local_input_size, loader=self.weight_loader)
         self.bias = _parameter(output_size, loader=self.weight_loader) if bias else None   # replicated on every rank
+        self.ops = TORCH_OPS
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None):
         "Copy columns `[rank * n, (rank + 1) * n)` of the weight; the bias whole."
@@ -195,7 +164,7 @@ class RowParallelLinear(nn.Module):
         _copy(param.data, loaded_weight, (self.output_size, self.input_size), lambda t: t.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = self.ops.linear(x, self.weight)
         if self.tp_size > 1: y = _all_reduce(y)
         return y if self.bias is None else y + self.bias
 
@@ -237,9 +206,13 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     "The output projection to vocabulary logits, vocab-sharded like the embedding; gathers the ranks' logits."
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__(num_embeddings, embedding_dim, tp_rank, tp_size)
+        self.ops = TORCH_OPS
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         "fp32 logits `[N, vocab]` of the rows of `hidden` `[N, hidden_size]`."
-        logits = linear(hidden, self.weight)
+        logits = self.ops.linear(hidden, self.weight)
         if self.tp_size > 1: logits = _all_gather_last(logits, self.tp_size)[..., :self.num_embeddings]
         return logits.float()
 
@@ -270,6 +243,9 @@ class RotaryEmbedding(nn.Module):
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 "The attention backend: `(q [T, H, D], k [T, KVH, D], v [T, KVH, D], layer_idx) -> [T, H, D]`; it stores k, v and attends."
+
+LayersRunner = Callable[[torch.Tensor, torch.Tensor], 'tuple[torch.Tensor, torch.Tensor] | None']
+"A whole-step hook: `(hidden [T, C], positions [T]) -> (hidden, residual)` after all decoder layers, or None to decline."
 
 class Attention(nn.Module):
     "One attention block: fused q/k/v projection, optional q/k norm, RoPE, the backend, output projection."
@@ -326,43 +302,20 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1, max_positions: int | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
-        rotary = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings, config.rope_theta, config.rope_scaling)
+        rotary = RotaryEmbedding(config.head_dim, max_positions or config.max_position_embeddings, config.rope_theta,
+                                 config.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(config, i, rotary, tp_rank, tp_size) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.cpu_decoder: DecoderWeights | None = None     # the layers for chapter 06a's one-call decode step (pack_cpu_weights)
+        self.layers_runner: LayersRunner | None = None   # offered every step first (`use_layers_runner`)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionFn) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        step = self._cpu_decode_step(attn)
-        if step is not None:                     # every layer in one C call: the same kernels, the same result
-            hidden, residual = decode_layers_cpu(self.cpu_decoder, hidden, positions, self.layers[0].self_attn.rotary.cos_sin, *step)
+        hidden = self.embed_tokens(input_ids)
+        ran = None if self.layers_runner is None else self.layers_runner(hidden, positions)
+        if ran is not None: hidden, residual = ran
         else:
+            residual = None
             for layer in self.layers: hidden, residual = layer(positions, hidden, residual, attn)
         return self.norm(hidden, residual)[0]
-
-    def _cpu_decode_step(self, attn: AttentionFn) -> tuple | None:
-        "What `decode_layers_cpu` needs of the backend, when this step can run that way: layers packed, the C ops chosen, a decode step the C kernel attends."
-        if self.cpu_decoder is None or self.layers[0].mlp.ops is not CPU_OPS: return None
-        step = getattr(attn, 'cpu_decode_step', None)   # (plan, k_cache, v_cache, new_slots, scale), or None
-        return step() if step is not None else None
-
-    def pack_cpu_decoder(self) -> DecoderWeights | None:
-        "The layers as `decode_layers_cpu` takes them, if it can run them: one rank, no q/k norm, every linear weight packed, C ops' shapes."
-        first = self.layers[0]
-        a0 = first.self_attn
-        H, KVH, D, C = a0.num_local_heads, a0.num_local_kv_heads, a0.head_dim, first.input_layernorm.weight.shape[0]
-        I = first.mlp.gate_up_proj.weight.shape[0] // 2
-        if a0.qkv_proj.tp_size > 1 or a0.q_norm is not None or C % 8 or D % 16 or I % 8: return None
-        if len({m.eps for m in self.modules() if isinstance(m, RMSNorm)}) != 1: return None
-        layers = []
-        for layer in self.layers:
-            at, mlp = layer.self_attn, layer.mlp
-            panels = [getattr(m.weight, 'cpu_panels', None) for m in (at.qkv_proj, at.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(p is None for p in panels) or any(w.dtype != torch.float32 or w.device.type != 'cpu' for w in norms): return None
-            layers.append(LayerWeights(norms[0].data, panels[0], None if at.qkv_proj.bias is None else at.qkv_proj.bias.data, panels[1],
-                                       None if at.o_proj.bias is None else at.o_proj.bias.data, norms[1].data, panels[2], panels[3]))
-        return pack_decoder(layers, H, KVH, D, self.norm.eps)
 
 class DecoderForCausalLM(nn.Module):
     "A Llama / Qwen2 / Qwen3 decoder for one tensor-parallel rank: hidden states from tokens, logits from chosen rows."
@@ -384,9 +337,15 @@ class DecoderForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def use_ops(self, ops: Ops) -> DecoderForCausalLM:
-        "Run every norm, rotary embedding and MLP activation with `ops` (`TORCH_OPS`, `TRITON_OPS` or `CPU_OPS`)."
+        "Run every norm, rotary embedding, MLP activation and linear product with `ops` (`TORCH_OPS`, `TRITON_OPS`, ...)."
+        users = (RMSNorm, RotaryEmbedding, MLP, ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
         for m in self.modules():
-            if isinstance(m, (RMSNorm, RotaryEmbedding, MLP)): m.ops = ops
+            if isinstance(m, users): m.ops = ops
+        return self
+
+    def use_layers_runner(self, runner: LayersRunner | None) -> DecoderForCausalLM:
+        "Offer every step to `runner` before the layers (None: the layers run every step)."
+        self.model.layers_runner = runner
         return self
 
     def use_triton_ops(self, enabled: bool = True) -> DecoderForCausalLM:
@@ -439,7 +398,6 @@ def _checkpoint_names(param_name: str) -> list[str]:
 def load_weights(model: DecoderForCausalLM, path: str | Path):
     "Stream a safetensors checkpoint into `model`, each parameter taking its rank's slice."
     from safetensors import safe_open
-    unpack_cpu_weights(model)                # packed copies of the old weights would go stale
     files, params = checkpoint_files(path), dict(model.named_parameters())   # a tied lm_head appears once, as the embedding
     plan, unexpected = {}, []
     for f in files:
@@ -489,5 +447,4 @@ def load_model(model: str | Path, dtype: torch.dtype | None = None, device: str 
     config = ModelConfig.from_pretrained(path)
     net = build_model(config, dtype, device, tp_rank, tp_size, max_positions)
     load_weights(net, path)
-    pack_cpu_weights(net)
     return net, config

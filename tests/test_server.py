@@ -389,9 +389,10 @@ def test_startup_failure_is_reported(model_dir):
 
 def test_worker_death(model_dir):
     "The scheduler dies mid-stream: the client gets an error event, the server exits non-zero, nothing is left."
-    s = ServerProcess(model_dir, **ENGINE).start()
+    s = ServerProcess(model_dir, debug_hooks=True, **ENGINE).start()
     try:
         pids = s.state()['pids']
+        s.inject(step_delay=0.05)                           # 480 steps take >= 24 s: the stream still runs at the kill
         c = OpenAI(base_url=s.url + '/v1', api_key='unused', max_retries=0, timeout=30)
         stream = c.completions.create(model=model_dir, prompt='A', max_tokens=480, stream=True, extra_body={'ignore_eos': True})
         next(iter(stream))
