@@ -67,6 +67,24 @@ def _access_flags(p: argparse.ArgumentParser):
                    help="tokens per choice a streaming client may leave unread before its stream is dropped "
                         "(default: 1024)")
 
+def _replica_flags(p: argparse.ArgumentParser):
+    "`serve`'s flags for engine replicas on Ray Serve (chapter 17; the `nanoserve[ray]` extra)."
+    g = p.add_argument_group('replicas (Ray Serve, chapter 17)')
+    g.add_argument('--data-parallel-size', type=_count, default=None, metavar='N',
+                   help='serve N engine replicas behind one endpoint, on Ray Serve (each one --tensor-parallel-size '
+                        'GPUs); the initial number when autoscaling')
+    g.add_argument('--ray-address', default=None, metavar='ADDRESS',
+                   help="join this Ray cluster (HEAD:6379, or 'auto' for the one `ray start` made here) instead of "
+                        'starting a local one')
+    g.add_argument('--min-replicas', type=_count, default=None, metavar='N',
+                   help="autoscale: Ray Serve's fewest replicas (default: 1 when --max-replicas is given)")
+    g.add_argument('--max-replicas', type=_count, default=None, metavar='N',
+                   help="autoscale: Ray Serve's most replicas (default: --data-parallel-size when --min-replicas is given)")
+    g.add_argument('--routing', choices=('prefix', 'ray'), default=None,
+                   help="'prefix': to the replica that has the prompt's prefix cached, else the least loaded; "
+                        "'ray': Ray Serve's default (power of two choices) (default: prefix)")
+
+_REPLICA_OPTIONS = ('data_parallel_size', 'ray_address', 'min_replicas', 'max_replicas', 'routing')
 _SERVE_OPTIONS = ('drain_timeout', 'watchdog_timeout', 'integrity_check', 'api_key', 'ssl_keyfile', 'ssl_certfile',
                   'root_path', 'max_request_bytes', 'body_timeout', 'timeout_keep_alive', 'limit_concurrency',
                   'stream_backlog')
@@ -101,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what a failed idle check of the page bookkeeping does: 'warn' (log, count in /metrics) or "
                         "'raise' (stop the server) (default: $NANOSERVE_INTEGRITY_CHECK or warn)")
     _access_flags(p)
+    _replica_flags(p)
     command('bench', None, 'run the benchmarks (nanoserve bench --help lists their arguments)', add_help=False)
     p = command('convert-gguf', _convert, 'convert a GGUF file into a safetensors model directory (once)')
     p.add_argument('gguf', metavar='GGUF', help='the GGUF file (a Llama, Qwen2 or Qwen3 checkpoint)')
@@ -188,12 +207,17 @@ def _missing(what: str, module: str, e: ImportError) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     engine, _ = _checked(args, sampling=False)
-    try: from nanoserve.server import run_server
-    except ImportError as e: return _missing('serve', 'nanoserve.server', e)
-    _quiet_transformers()
     ops = {k: getattr(args, k) for k in _SERVE_OPTIONS if getattr(args, k) is not None}
-    run_server(resolve_model(args.model, verbose=True), host=args.host, port=args.port,
-               served_model_name=args.served_model_name or args.model, **ops, **engine)
+    replicas = {k: getattr(args, k) for k in _REPLICA_OPTIONS if getattr(args, k) is not None}
+    if replicas and 'limit_concurrency' in ops:
+        args.parser.error('--limit-concurrency applies to one server; with replicas, Ray Serve queues the requests')
+    try:
+        if replicas: from nanoserve.replicas import serve_replicas as serve
+        else: from nanoserve.server import run_server as serve
+    except ImportError as e: return _missing('serve', 'ray' if replicas else 'nanoserve.server', e)
+    _quiet_transformers()
+    serve(resolve_model(args.model, verbose=True), host=args.host, port=args.port,
+          served_model_name=args.served_model_name or args.model, **replicas, **ops, **engine)
     return 0
 
 def _bench(argv: list[str]) -> int:

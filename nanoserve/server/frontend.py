@@ -67,7 +67,8 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
 
 class ServerMetrics:
     "The server's Prometheus registry."
-    def __init__(self, model: str, stats: Callable[[], dict]):
+    def __init__(self, model: str,
+                 stats: Callable[[], dict] | None):   # the scheduler's counters; None: no scheduler metrics (chapter 17)
         from prometheus_client import CollectorRegistry, Counter, Histogram
         self.model = model
         self.registry = CollectorRegistry()
@@ -84,7 +85,7 @@ class ServerMetrics:
         self.e2e = histogram('e2e_request_latency_seconds', 'Time from arrival to the last token.', _E2E_BUCKETS)
         self.watchdog_stalls = counter('watchdog_stalls', 'Times the scheduler made no progress for the watchdog '
                                        'timeout while requests were open.').labels(model)
-        self.registry.register(_SchedulerCollector(model, stats))
+        if stats is not None: self.registry.register(_SchedulerCollector(model, stats))
 
     def finished(self, reason: str): self.request_success.labels(self.model, reason).inc()
 
