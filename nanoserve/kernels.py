@@ -7,14 +7,13 @@ from __future__ import annotations
 import math, os, re
 import torch
 import triton
+from .references import decode_attention_ref
 import triton.language as tl
 
 # %% auto #0
-__all__ = ['INTERPRET', 'DECODE_BLOCK_N', 'GPU_ARCHS', 'MODEL_SHAPES', 'rms_norm_ref', 'rms_norm', 'rope_inv_freq',
-           'rope_cos_sin_cache', 'rope_ref', 'rope', 'silu_and_mul_ref', 'silu_and_mul', 'random_page_table',
-           'store_kv_ref', 'store_kv', 'decode_attention_ref', 'extend_attention_ref', 'decode_num_splits',
-           'decode_attention', 'extend_attention', 'bench_decode_attention', 'kernel_launches', 'capture_launches',
-           'compile_kernel', 'occupancy', 'check_kernels']
+__all__ = ['INTERPRET', 'DECODE_BLOCK_N', 'GPU_ARCHS', 'MODEL_SHAPES', 'rms_norm', 'rope', 'silu_and_mul', 'random_page_table',
+           'store_kv', 'decode_num_splits', 'decode_attention', 'extend_attention', 'bench_decode_attention',
+           'kernel_launches', 'capture_launches', 'compile_kernel', 'occupancy', 'check_kernels']
 
 # %% ../nbs/06_kernels.ipynb #b626afdf
 INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'   # kernels run in the Triton interpreter (no GPU)
@@ -22,15 +21,6 @@ _ELEMENTS = 1 << 16 if INTERPRET else 1 << 12             # elements one program
 _LOG2E = 1.4426950408889634                               # exp(x) = exp2(x * log2(e))
 
 def _rows_per_program(block_cols: int) -> int: return max(1, _ELEMENTS // block_cols)
-
-# %% ../nbs/06_kernels.ipynb #cc2fe789
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    "RMSNorm over the last dim; with `residual`, normalise `x + residual` and also return that sum."
-    if residual is not None: x = (x.float() + residual.float()).to(x.dtype); residual = x
-    xf = x.float()
-    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
-    return out if residual is None else (out, residual)
 
 # %% ../nbs/06_kernels.ipynb #0360c2b5
 @triton.jit
@@ -65,32 +55,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             x2, r2, weight, out, total, x2.shape[0], n_cols, eps, x2.stride(0), r2.stride(0), out.stride(0), total.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_C=block_c)
     return out.view(shape) if residual is None else (out.view(shape), total.view(shape))
-
-# %% ../nbs/06_kernels.ipynb #3a21c0bd
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    "The `head_dim // 2` rotary frequencies, with `linear` or `llama3` scaling applied."
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    if scaling is None: return inv_freq
-    if scaling['rope_type'] == 'linear': return inv_freq / scaling['factor']
-    factor, low, high, orig = (scaling[k] for k in ('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings'))
-    wavelen = 2 * math.pi / inv_freq
-    smooth = ((orig / wavelen - low) / (high - low)).clamp(0, 1)   # 0: long wavelengths, 1: short ones
-    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
-
-def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    "fp32 `[max_positions, head_dim]`: cos of every angle in the first half, sin in the second."
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
-
-def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    "Rotate `q` `[T, H, D]` and `k` `[T, KVH, D]` by their `positions` `[T]`, in place; returns them."
-    half = q.shape[-1] // 2
-    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)    # [T, 1, D/2] each
-    for x in (q, k):
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
-        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-        x.copy_(rotated.to(x.dtype))
-    return q, k
 
 # %% ../nbs/06_kernels.ipynb #47377123
 @triton.jit
@@ -130,12 +94,6 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tor
             q, k, positions, cos_sin, T, H, KVH, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
             HALF=D // 2, BLOCK_T=block_t, BLOCK_QC=block_qc, BLOCK_KC=block_kc)
     return q, k
-
-# %% ../nbs/06_kernels.ipynb #094186b5
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    "`silu(x[..., :I]) * x[..., I:]` for `x` of last dim `2I`."
-    gate, up = x.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate.float()).to(x.dtype) * up
 
 # %% ../nbs/06_kernels.ipynb #348def6c
 @triton.jit
@@ -178,14 +136,6 @@ def random_page_table(seq_lens: list[int], page_size: int, num_pages: int, max_l
         used += triton.cdiv(n, page_size)
     return table.to(device), rows.int().to(device)
 
-# %% ../nbs/06_kernels.ipynb #e9b7e141
-def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor) -> None:
-    "Write `k`, `v` `[T, KVH, D]` into slots `out_loc` `[T]` of the caches, skipping entries of -1 (padding)."
-    keep = out_loc >= 0
-    loc = out_loc[keep].long()
-    k_cache[loc] = k[keep].to(k_cache.dtype)
-    v_cache[loc] = v[keep].to(v_cache.dtype)
-
 # %% ../nbs/06_kernels.ipynb #cd021dd1
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_loc_ptr, n_tokens,
@@ -213,36 +163,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             k, v, k_cache, v_cache, out_loc, T, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
             NUM_COLS=KVH * D, HEAD_DIM=D, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=8)   # 4 warps spill at 1024 columns
-
-# %% ../nbs/06_kernels.ipynb #8dfba35c
-def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                         table_idx: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
-    "Attention of one query per request `q` `[B, H, D]` over positions `[0, seq_len)` of its page-table row; `[B, H, D]`."
-    (B, H, D), KVH = q.shape, k_cache.shape[1]
-    L = int(seq_lens.max())
-    valid = torch.arange(L, device=q.device)[None] < seq_lens[:, None].long()          # [B, L]
-    locs = page_table[table_idx.long(), :L].long().where(valid, 0)
-    k, v = k_cache[locs].float(), v_cache[locs].float()                               # [B, L, KVH, D]
-    scores = torch.einsum('bkgd,blkd->bkgl', q.float().view(B, KVH, H // KVH, D), k) * scale
-    scores = scores.masked_fill(~valid[:, None, None], float('-inf'))
-    return torch.einsum('bkgl,blkd->bkgd', scores.softmax(-1), v).reshape(B, H, D).to(q.dtype)
-
-def extend_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         page_table: torch.Tensor, table_idx: torch.Tensor, prefix_lens: torch.Tensor,
-                         extend_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    "Causal attention of the new tokens `q` `[T, H, D]` over their prefix (through the page table) and themselves."
-    (T, H, D), KVH = q.shape, k.shape[1]
-    out, start = torch.empty_like(q), 0
-    for row, p, e in zip(table_idx.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
-        locs = page_table[row, :p].long()
-        keys = torch.cat([k_cache[locs].float(), k[start:start + e].float()])           # [p + e, KVH, D]
-        values = torch.cat([v_cache[locs].float(), v[start:start + e].float()])
-        scores = torch.einsum('tkgd,lkd->kgtl', q[start:start + e].float().view(e, KVH, H // KVH, D), keys) * scale
-        causal = torch.arange(p + e, device=q.device)[None] <= torch.arange(p, p + e, device=q.device)[:, None]
-        scores = scores.masked_fill(~causal, float('-inf'))
-        out[start:start + e] = torch.einsum('kgtl,lkd->tkgd', scores.softmax(-1), values).reshape(e, H, D).to(q.dtype)
-        start += e
-    return out
 
 # %% ../nbs/06_kernels.ipynb #eb0ae898
 @triton.jit
