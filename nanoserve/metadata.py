@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from .req import Batch
-from .pages import PageTable
+from .pages import PageTable, to_device
 from .model import TORCH_OPS, DecoderForCausalLM, Ops, triton_ops
 
 # %% auto #0
@@ -53,12 +53,12 @@ def build_metadata(batch: Batch, table: PageTable, pad_to: int | None = None) ->
         offsets = torch.arange(int(extend.sum())) - torch.repeat_interleave(extend.cumsum(0) - extend, extend)
         positions = torch.repeat_interleave(prefix.long(), extend) + offsets
     row_t = torch.tensor(rows, dtype=torch.int32)
-    token_rows = torch.repeat_interleave(row_t.long(), extend).to(device, non_blocking=True)
+    token_rows = to_device(torch.repeat_interleave(row_t.long(), extend), device)
     seq = [s + n for s, n in zip(starts, lens)]
     meta = ForwardMeta(batch.phase, None, positions, None, row_t, prefix, extend, prefix + extend,
                        extend.cumsum(0).long() - 1, table.table, len(rows), max(seq), max(lens), table.page_size, seq)
     for name in ('positions', 'table_idx', 'prefix_lens', 'extend_lens', 'seq_lens', 'last_indices'):
-        setattr(meta, name, getattr(meta, name).to(device, non_blocking=True))
+        setattr(meta, name, to_device(getattr(meta, name), device))   # pinned, without waiting (chapter 03)
     meta.input_ids = table.tokens[token_rows, meta.positions].long()   # ids come from the token pool, on the device
     meta.out_loc = table.table[token_rows, meta.positions].long()
     return meta
@@ -167,7 +167,7 @@ class TorchAttentionBackend(AttentionBackend):
             if step < len(rows): rows = sorted(rows, key=lambda r: first_page[r])   # a shared prefix: one tile reads it from memory
             for i in range(0, len(rows), step):
                 tile = rows[i:i + step]
-                idx = None if len(tile) == meta.num_reqs and len(groups) == 1 else torch.tensor(tile, device=dev)
+                idx = None if len(tile) == meta.num_reqs and len(groups) == 1 else to_device(tile, dev, torch.int64)
                 table_rows = meta.table_idx.long() if idx is None else meta.table_idx[idx].long()
                 pages = (meta.page_table[table_rows, :n * ps:ps] // ps).long().flatten()
                 seq = meta.seq_lens if idx is None else meta.seq_lens[idx]
