@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .config import default_cache_dir
-from .kernels import rms_norm_ref, rope_ref, silu_and_mul_ref
+from .references import rms_norm_ref, rope_ref, silu_and_mul_ref
 
 # %% auto #0
 __all__ = ['C_SOURCE', 'ARG_STRUCTS', 'C_ENTRY_POINTS', 'CPU_KERNELS_ENV', 'CFLAGS', 'CACHE_KEEP', 'log', 'MAX_BLOCK', 'Blocks',

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from .config import EngineConfig, ModelConfig, default_num_batched_tokens, resolve_device, resolve_dtype
 from .req import Batch, Req, SamplingParams
-from .pages import PageAllocator, PageTable
+from .pages import PageAllocator, PageTable, to_device
 from .scheduler import ModelRunner, Scheduler, StepOutput
 from .model import load_model, resolve_model_path
 from .metadata import ATTENTION_BACKENDS, AttentionBackend, GraphRunner, build_metadata, make_attention_backend
@@ -79,6 +79,7 @@ class Worker:
     def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_size: int = 1):
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == 'cuda': torch.cuda.set_device(self.device)   # 'cuda:N': this process's current device is N
         self.path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(self.path)
         mc = self.model_config
@@ -118,7 +119,8 @@ class Worker:
         self.backend.prepare(meta)
         hidden = self.model(meta.input_ids, meta.positions, self.backend)
         rows = batch.sample_rows
-        return self.model.compute_logits(hidden[meta.last_indices[rows]]) if rows else None
+        if not rows: return None
+        return self.model.compute_logits(hidden[meta.last_indices[to_device(rows, self.device, torch.int64)]])
 
     @torch.inference_mode()
     def sample(self, batch: Batch, logits: torch.Tensor | None) -> SampleOutput | None:
@@ -132,8 +134,8 @@ class Worker:
 
     def write_tokens(self, batch: Batch, tokens: torch.Tensor):
         "Put the sampled tokens into the token pool, on the device, at the position after each sampling request's last."
-        rows = torch.tensor([batch.reqs[i].table_idx for i in batch.sample_rows], device=self.device)
-        cols = torch.tensor([batch.start_lens[i] + batch.extend_lens[i] for i in batch.sample_rows], device=self.device)
+        rows = to_device([batch.reqs[i].table_idx for i in batch.sample_rows], self.device, torch.int64)
+        cols = to_device([batch.start_lens[i] + batch.extend_lens[i] for i in batch.sample_rows], self.device, torch.int64)
         self.table.tokens[rows, cols] = tokens.to(self.table.tokens.dtype)   # the positions the launch reserved
 
 # %% ../nbs/10_engine.ipynb #9127f3dd

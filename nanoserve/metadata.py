@@ -4,13 +4,13 @@
 
 # %% ../nbs/08_metadata.ipynb #0f2cd68e
 from __future__ import annotations
+import os
 from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from .req import Batch
-from .pages import PageTable
-from .kernels import INTERPRET, decode_attention, decode_num_splits, extend_attention, store_kv
-from .model import TORCH_OPS, TRITON_OPS, DecoderForCausalLM, Ops
+from .pages import PageTable, to_device
+from .model import TORCH_OPS, DecoderForCausalLM, Ops, triton_ops
 
 # %% auto #0
 __all__ = ['Extend', 'ATTENTION_BACKENDS', 'ForwardMeta', 'build_metadata', 'length_groups', 'extends', 'attend_extends',
@@ -53,12 +53,12 @@ def build_metadata(batch: Batch, table: PageTable, pad_to: int | None = None) ->
         offsets = torch.arange(int(extend.sum())) - torch.repeat_interleave(extend.cumsum(0) - extend, extend)
         positions = torch.repeat_interleave(prefix.long(), extend) + offsets
     row_t = torch.tensor(rows, dtype=torch.int32)
-    token_rows = torch.repeat_interleave(row_t.long(), extend).to(device, non_blocking=True)
+    token_rows = to_device(torch.repeat_interleave(row_t.long(), extend), device)
     seq = [s + n for s, n in zip(starts, lens)]
     meta = ForwardMeta(batch.phase, None, positions, None, row_t, prefix, extend, prefix + extend,
                        extend.cumsum(0).long() - 1, table.table, len(rows), max(seq), max(lens), table.page_size, seq)
     for name in ('positions', 'table_idx', 'prefix_lens', 'extend_lens', 'seq_lens', 'last_indices'):
-        setattr(meta, name, getattr(meta, name).to(device, non_blocking=True))
+        setattr(meta, name, to_device(getattr(meta, name), device))   # pinned, without waiting (chapter 03)
     meta.input_ids = table.tokens[token_rows, meta.positions].long()   # ids come from the token pool, on the device
     meta.out_loc = table.table[token_rows, meta.positions].long()
     return meta
@@ -167,7 +167,7 @@ class TorchAttentionBackend(AttentionBackend):
             if step < len(rows): rows = sorted(rows, key=lambda r: first_page[r])   # a shared prefix: one tile reads it from memory
             for i in range(0, len(rows), step):
                 tile = rows[i:i + step]
-                idx = None if len(tile) == meta.num_reqs and len(groups) == 1 else torch.tensor(tile, device=dev)
+                idx = None if len(tile) == meta.num_reqs and len(groups) == 1 else to_device(tile, dev, torch.int64)
                 table_rows = meta.table_idx.long() if idx is None else meta.table_idx[idx].long()
                 pages = (meta.page_table[table_rows, :n * ps:ps] // ps).long().flatten()
                 seq = meta.seq_lens if idx is None else meta.seq_lens[idx]
@@ -201,27 +201,28 @@ class TorchAttentionBackend(AttentionBackend):
 class TritonAttentionBackend(AttentionBackend):
     "Stores K/V and attends through the page table with the Triton kernels: flash decoding, and paged flash attention for prefill."
     name = 'triton'
-    ops = TRITON_OPS                 # chapter 06's norm, rope and activation beside its attention
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
         super().__init__(k_cache, v_cache, scale)
+        from nanoserve import kernels   # Triton is imported by those who run it
+        self.kernels, self.ops = kernels, triton_ops()   # chapter 06's attention, and its norm, rope and activation beside it
         self._num_sms = torch.cuda.get_device_properties(k_cache.device).multi_processor_count if k_cache.is_cuda else 0
 
     def prepare(self, meta: ForwardMeta):
         "Take the metadata of the batch about to run, and the host numbers its kernels' grids need."
         self.meta = meta
         if meta.phase == 'decode':
-            self._num_splits = decode_num_splits(meta.num_reqs, self.k_cache.shape[2], meta.max_seq_len, self._num_sms)
+            self._num_splits = self.kernels.decode_num_splits(meta.num_reqs, self.k_cache.shape[2], meta.max_seq_len, self._num_sms)
         else:
             self._max_extend_len = meta.max_extend_len
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         "Store `k`, `v` `[T, KVH, D]` for `layer`, then attend with `q` `[T, H, D]`; returns `[T, H, D]`."
         m, kc, vc = self.meta, self.k_cache[layer], self.v_cache[layer]
-        store_kv(k, v, kc, vc, m.out_loc)
+        self.kernels.store_kv(k, v, kc, vc, m.out_loc)
         if m.phase == 'decode':
-            return decode_attention(q, kc, vc, m.page_table, m.table_idx, m.seq_lens, self.scale, self._num_splits)
-        return extend_attention(q, k, v, kc, vc, m.page_table, m.table_idx, m.prefix_lens, m.extend_lens, self.scale,
-                                self._max_extend_len)
+            return self.kernels.decode_attention(q, kc, vc, m.page_table, m.table_idx, m.seq_lens, self.scale, self._num_splits)
+        return self.kernels.extend_attention(q, k, v, kc, vc, m.page_table, m.table_idx, m.prefix_lens, m.extend_lens, self.scale,
+                                             self._max_extend_len)
 
 # %% ../nbs/08_metadata.ipynb #84b55a86
 ATTENTION_BACKENDS = {'torch': TorchAttentionBackend, 'triton': TritonAttentionBackend}
@@ -232,7 +233,7 @@ def make_attention_backend(name: str, k_cache: torch.Tensor, v_cache: torch.Tens
     if name == 'auto': name = 'triton' if k_cache.is_cuda else 'torch'
     if name not in backends:
         raise ValueError(f"attention_backend: must be 'auto' or one of {', '.join(map(repr, backends))}; got {name!r}")
-    if name == 'triton' and not k_cache.is_cuda and not INTERPRET:
+    if name == 'triton' and not k_cache.is_cuda and os.environ.get('TRITON_INTERPRET') != '1':
         raise ValueError("attention_backend: 'triton' needs the KV pool on a GPU, or the Triton interpreter (TRITON_INTERPRET=1)")
     return backends[name](k_cache, v_cache, scale)
 

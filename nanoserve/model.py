@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_model.ipynb #edbff295
 from __future__ import annotations
-import json, os
+import functools, json, os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .kernels import rms_norm, rms_norm_ref, rope, rope_cos_sin_cache, rope_ref, silu_and_mul, silu_and_mul_ref
+from .references import rms_norm_ref, rope_cos_sin_cache, rope_ref, silu_and_mul_ref
 
 # %% auto #0
-__all__ = ['TORCH_OPS', 'TRITON_OPS', 'AttentionFn', 'LayersRunner', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'Ops',
+__all__ = ['TORCH_OPS', 'AttentionFn', 'LayersRunner', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'Ops', 'triton_ops',
            'default_weight_loader', 'ColumnParallelLinear', 'MergedColumnParallelLinear', 'QKVParallelLinear',
            'RowParallelLinear', 'VocabParallelEmbedding', 'ParallelLMHead', 'RMSNorm', 'RotaryEmbedding', 'Attention',
            'MLP', 'DecoderLayer', 'DecoderModel', 'DecoderForCausalLM', 'build_model', 'checkpoint_files',
@@ -33,7 +33,12 @@ class Ops(NamedTuple):
     linear: Callable            # `(x, weight, bias=None) -> x weight^T + bias`, as `F.linear`
 
 TORCH_OPS = Ops(rms_norm_ref, rope_ref, silu_and_mul_ref, F.linear)   # any device: the CPU default and the reference
-TRITON_OPS = Ops(rms_norm, rope, silu_and_mul, F.linear)              # chapter 06's kernels: on a GPU, or in the interpreter
+
+@functools.cache
+def triton_ops() -> Ops:
+    "Chapter 06's Triton kernels as a set of ops (on a GPU, or in the interpreter); Triton is imported here, when asked for."
+    from nanoserve.kernels import rms_norm, rope, silu_and_mul
+    return Ops(rms_norm, rope, silu_and_mul, F.linear)
 
 # %% ../nbs/07_model.ipynb #c269e58e
 def _divide(n: int, d: int, what: str) -> int:
@@ -337,7 +342,7 @@ class DecoderForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def use_ops(self, ops: Ops) -> DecoderForCausalLM:
-        "Run every norm, rotary embedding, MLP activation and linear product with `ops` (`TORCH_OPS`, `TRITON_OPS`, ...)."
+        "Run every norm, rotary embedding, MLP activation and linear product with `ops` (`TORCH_OPS`, `triton_ops()`, ...)."
         users = (RMSNorm, RotaryEmbedding, MLP, ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
         for m in self.modules():
             if isinstance(m, users): m.ops = ops
@@ -350,7 +355,7 @@ class DecoderForCausalLM(nn.Module):
 
     def use_triton_ops(self, enabled: bool = True) -> DecoderForCausalLM:
         "Run every norm, rotary embedding and MLP activation with chapter 06's Triton kernels (or, `False`, the torch references)."
-        return self.use_ops(TRITON_OPS if enabled else TORCH_OPS)
+        return self.use_ops(triton_ops() if enabled else TORCH_OPS)
 
 # %% ../nbs/07_model.ipynb #449a09ba
 @contextmanager

@@ -8,7 +8,15 @@ import torch
 from .budget import cdiv
 
 # %% auto #0
-__all__ = ['PageAllocator', 'PageTable']
+__all__ = ['to_device', 'PageAllocator', 'PageTable']
+
+# %% ../nbs/03_pages.ipynb #3a9d0e11
+def to_device(values, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    "`values` (a list, or a tensor on the host) as a tensor on `device`: on a GPU, from pinned memory, without waiting."
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if dtype is not None: host = host.to(dtype)
+    if torch.device(device).type != 'cuda': return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 # %% ../nbs/03_pages.ipynb #4cdc8939
 class PageAllocator:
@@ -131,12 +139,11 @@ class PageTable:
     def sync(self):
         "Copy the rows written since the last sync to the device mirror, and apply queued token writes."
         if self.table is not self.host and self._dirty:
-            rows = torch.tensor(sorted(self._dirty))
-            self.table[rows.to(self.device)] = self.host[rows].to(self.device, non_blocking=True)
+            rows = sorted(self._dirty)
+            self.table[to_device(rows, self.device, torch.int64)] = to_device(self.host[rows], self.device)
         if self._token_writes and self.device.type != 'cpu':   # (a CPU pool took them at once)
-            rows = torch.tensor([r for r, s, ids in self._token_writes for _ in ids])
-            cols = torch.tensor([s + i for r, s, ids in self._token_writes for i in range(len(ids))])
-            vals = torch.tensor([t for r, s, ids in self._token_writes for t in ids], dtype=torch.int32)
-            self.tokens[rows.to(self.device), cols.to(self.device)] = vals.to(self.device, non_blocking=True)
+            rows = to_device([r for r, s, ids in self._token_writes for _ in ids], self.device, torch.int64)
+            cols = to_device([s + i for r, s, ids in self._token_writes for i in range(len(ids))], self.device, torch.int64)
+            self.tokens[rows, cols] = to_device([t for r, s, ids in self._token_writes for t in ids], self.device, torch.int32)
         self._dirty.clear()
         self.synced_token_writes, self._token_writes = self._token_writes, []

@@ -9,6 +9,7 @@ from typing import Sequence
 
 import torch
 from .req import Req
+from .pages import to_device
 
 # %% auto #0
 __all__ = ['token_seed', 'SamplingBatch', 'apply_penalties', 'apply_filters', 'TokenLogprobs', 'SampleOutput', 'Sampler']
@@ -83,14 +84,13 @@ class SamplingBatch:
             out_index.append(r.device_len - 1 - r.prompt_len)
         greedy = [sp.greedy for sp in sps]
         top_k = [sp.top_k if 0 < sp.top_k < vocab_size else vocab_size for sp in sps]
-        f32 = dict(dtype=torch.float32, device=device)
-        batch = cls(
+        batch = cls(   # every tensor built on the host and sent without waiting (chapter 03's `to_device`)
             vocab_size=vocab_size,
-            temperature=torch.tensor([1.0 if g else sp.temperature for sp, g in zip(sps, greedy)], **f32),
-            greedy=torch.tensor(greedy, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor([sp.top_p for sp in sps], **f32),
-            min_p=torch.tensor([sp.min_p for sp in sps], **f32),
+            temperature=to_device([1.0 if g else sp.temperature for sp, g in zip(sps, greedy)], device, torch.float32),
+            greedy=to_device(greedy, device, torch.bool),
+            top_k=to_device(top_k, device, torch.int64),
+            top_p=to_device([sp.top_p for sp in sps], device, torch.float32),
+            min_p=to_device([sp.min_p for sp in sps], device, torch.float32),
             all_greedy=all(greedy), any_greedy=any(greedy),
             use_top_k=any(k < vocab_size for k in top_k), use_top_p=any(sp.top_p < 1 for sp in sps),
             use_min_p=any(sp.min_p > 0 for sp in sps), max_top_k=max((k for k in top_k if k < vocab_size), default=0),
@@ -105,7 +105,7 @@ class SamplingBatch:
             stop_rows += [i] * len(stop)
             stop_ids += sorted(stop)
         if stop_rows:
-            batch.stop_rows, batch.stop_ids = (torch.tensor(x, dtype=torch.int64, device=device) for x in (stop_rows, stop_ids))
+            batch.stop_rows, batch.stop_ids = (to_device(x, device, torch.int64) for x in (stop_rows, stop_ids))
         return batch
 
     def _gather_history(self, reqs: list[Req], rows: list[int], device, token_pool: torch.Tensor | None):
@@ -114,16 +114,16 @@ class SamplingBatch:
         width = max(lens)
         if token_pool is None:   # no device pool: the host must have seen every token
             assert all(len(r.input_ids) >= n for r, n in zip(reqs, lens)), 'penalties need the token pool under overlap'
-            self.history = torch.tensor([r.input_ids[:n] + [0] * (width - n) for r, n in zip(reqs, lens)], device=device)
+            self.history = to_device([r.input_ids[:n] + [0] * (width - n) for r, n in zip(reqs, lens)], device, torch.int64)
         else:
-            table_rows = torch.tensor([r.table_idx for r in reqs], device=token_pool.device)
+            table_rows = to_device([r.table_idx for r in reqs], token_pool.device, torch.int64)
             self.history = token_pool[table_rows, :width].to(device=device, dtype=torch.int64)
-        self.penalty_rows = torch.tensor(rows, device=device)
-        self.history_lens = torch.tensor(lens, device=device)
-        self.prompt_lens = torch.tensor([r.prompt_len for r in reqs], device=device)
+        self.penalty_rows = to_device(rows, device, torch.int64)
+        self.history_lens = to_device(lens, device, torch.int64)
+        self.prompt_lens = to_device([r.prompt_len for r in reqs], device, torch.int64)
         for name in ('repetition_penalty', 'frequency_penalty', 'presence_penalty'):
             values = [getattr(r.sampling_params, name) for r in reqs]
-            setattr(self, name, torch.tensor(values, dtype=torch.float32, device=device))
+            setattr(self, name, to_device(values, device, torch.float32))
 
 # %% ../nbs/09_sampling.ipynb #d97a9101
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

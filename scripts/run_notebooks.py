@@ -4,9 +4,11 @@
 The outputs are documentation (`nbdev_clean` keeps them); tests never read them. Cells that
 `nbdev_test` would skip (the `tst_flags` of settings.ini) are skipped here too, so a CPU machine
 refreshes everything except the `#| cuda` and `#| slow` cells. Usage:
-`python scripts/run_notebooks.py [nbs/03_pages.ipynb ...]` (default: every notebook).
+`python scripts/run_notebooks.py [nbs/03_pages.ipynb ...]` (default: every notebook). Each notebook runs
+in a process of its own, as `nbdev_test` runs them: a chapter that chooses the Triton interpreter must do so
+before anything imports `triton`.
 """
-import os, sys
+import os, subprocess, sys
 from pathlib import Path
 from execnb.nbio import read_nb, write_nb
 from execnb.shell import CaptureShell
@@ -27,6 +29,9 @@ def main(paths):
     flags = set(cfg.tst_flags.split())
     os.environ['IN_TEST'] = '1'
     paths = [Path(p).resolve() for p in paths] or sorted(cfg.config_path.joinpath(cfg.nbs_path).glob('[0-9a-z]*.ipynb'))
+    if len(paths) > 1:
+        for p in paths: subprocess.run([sys.executable, __file__, str(p)], check=True)
+        return
     for p in paths:
         nb = read_nb(p)
         cwd = os.getcwd(); os.chdir(p.parent)
