@@ -4,7 +4,7 @@
 
 # %% ../nbs/17_replicas.ipynb #e17a0004
 from __future__ import annotations
-import asyncio, json, os, signal, time, urllib.request
+import asyncio, contextvars, json, os, signal, time, urllib.request
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -94,8 +94,10 @@ class PrefixAwareRouter(RequestRouter):
         if pending_request is not None: pending_request.routing_context.should_backoff = True  # none had room: wait
         by_id = {r.replica_id: r for r in candidate_replicas}
         loads = {i: self.replica_queue_len_cache.get(i) or 0 for i in by_id}
-        ranks = self.index.rank(list(by_id), self.blocks(pending_request), loads, self.max_imbalance)
-        return [[by_id[i] for i in rank] for rank in ranks]
+        serving = [i for i in by_id if not self.reports.get(i.unique_id, {}).get('unavailable')]
+        failing = [i for i in by_id if i not in serving]   # reported that it cannot serve: until Ray Serve replaces it
+        ranks = self.index.rank(serving, self.blocks(pending_request), loads, self.max_imbalance) + [failing]
+        return [[by_id[i] for i in rank] for rank in ranks if rank]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result):
         "The replica now holds (or will soon) the prompt's prefix."
@@ -154,8 +156,8 @@ class EngineReplica:
             if gen is not None: gen.close()    # cancelled (the client left): abort it in the scheduler
 
     def record_routing_stats(self) -> dict:
-        "What Ray Serve hands the routers every period: this process, why it cannot serve, its metrics."
-        return {'pid': os.getpid(), 'node': ray.get_runtime_context().get_node_id(),
+        "What Ray Serve hands the routers every period: its processes, why it cannot serve, its metrics."
+        return {'pids': {'replica': os.getpid(), **self.workers.pids()}, 'node': ray.get_runtime_context().get_node_id(),
                 'unavailable': self.frontend.unavailable(), 'stats': self.frontend.stats,
                 'metrics': self.frontend.metrics.render().decode()}
 
@@ -182,7 +184,7 @@ class ReplicaCollector:
         families: dict[str, Metric] = {}
         for replica, report in sorted(self.reports().items()):
             for family in text_string_to_metric_families(report.get('metrics', '')):
-                if family.name in self.skip: continue
+                if family.name.removesuffix('_created') in self.skip: continue    # a counter's `_created` too
                 merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
                 merged.samples += [Sample(s.name, {**s.labels, 'replica': replica}, s.value, s.timestamp, s.exemplar)
                                    for s in family.samples]
@@ -211,7 +213,9 @@ class ReplicaSet:
         if all(reasons): return f'no engine replica can serve: {reasons[0]}'
         return None
 
-    def pids(self) -> dict[str, int]: return {i: report.get('pid') for i, report in self.reports().items()}
+    def pids(self) -> dict[str, dict[str, int]]:
+        "Each replica's processes: the replica's own, its scheduler's and its tokenizer's."
+        return {i: report.get('pids', {}) for i, report in self.reports().items()}
 
 class ReplicaFrontend(Frontend):
     "Chapter 14e's `Frontend` over engine replicas: each prompt is a streaming call that Ray Serve routes to one."
@@ -253,7 +257,9 @@ class ReplicaFrontend(Frontend):
         gen = Generation(self, reqs, n, kind, self.stream_backlog if stream else None)
         for req in reqs:
             self.routes[req.rid] = gen
-            self._relays[req.rid] = asyncio.create_task(self._relay(req, n, kind, gen))
+            # NOTE: in a context of its own: a call made in the HTTP request's context takes its internal id, by which
+            # Ray Serve's router hands each chosen replica to its call, and two prompts of one request would collide
+            self._relays[req.rid] = asyncio.create_task(self._relay(req, n, kind, gen), context=contextvars.Context())
         return gen
 
     async def _relay(self, req: GenerateReq, n: int, kind: str, gen: Generation):

@@ -17,6 +17,7 @@ class ServerProcess:
     def __init__(self, model: str, host: str = '127.0.0.1', port: int | None = None, startup_timeout: float = 300.0,
                  stderr=None,      # where the server's log goes (a file object); None: this process's stderr
                  api_key: str | Sequence[str] | None = None,   # the server's keys, passed in its environment
+                 cli: bool = False,  # run `nanoserve serve MODEL` with `kwargs` as its flags, not `run_server`
                  **kwargs):        # `run_server`'s arguments and engine knobs
         self.host, self.port, self.stderr = host, port or free_port(host), stderr
         self.keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
@@ -25,8 +26,21 @@ class ServerProcess:
         self.url = f"{'https' if https else 'http'}://{host}:{self.port}"
         self._ssl = ssl._create_unverified_context() if https else None   # the harness trusts its own server
         self.kwargs = dict(model=model, host=host, port=self.port, **kwargs)
-        self.startup_timeout = startup_timeout
+        self.startup_timeout, self.cli = startup_timeout, cli
         self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        "The child's command line: `run_server` with the arguments as JSON, or `nanoserve serve` with them as flags."
+        if not self.cli:
+            code = 'import json, sys; from nanoserve.server import run_server; run_server(**json.loads(sys.argv[1]))'
+            return [sys.executable, '-c', code, json.dumps(self.kwargs)]
+        argv = [sys.executable, '-m', 'nanoserve.cli', 'serve', self.kwargs['model']]
+        for name, value in self.kwargs.items():
+            flag = name.replace('_', '-')
+            if name == 'model': continue
+            if isinstance(value, bool): argv.append(f"--{'' if value else 'no-'}{flag}")
+            else: argv += [f'--{flag}', str(value)]
+        return argv
 
     def _open(self, path: str, data: bytes | None = None, timeout: float = 10):
         headers = {**self.headers, 'Content-Type': 'application/json'} if data is not None else self.headers
@@ -35,10 +49,9 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         "Start the server and wait until it is healthy; `RuntimeError` if it exits or times out first."
-        code = 'import json, sys; from nanoserve.server import run_server; run_server(**json.loads(sys.argv[1]))'
         env = {name: value for name, value in os.environ.items() if name != 'NANOSERVE_API_KEY'}
         if self.keys: env['NANOSERVE_API_KEY'] = ','.join(self.keys)    # not in argv, where `ps` would show them
-        self.proc = subprocess.Popen([sys.executable, '-c', code, json.dumps(self.kwargs)], stderr=self.stderr, env=env)
+        self.proc = subprocess.Popen(self.command(), stderr=self.stderr, env=env)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

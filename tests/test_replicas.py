@@ -1,0 +1,262 @@
+"""Engine replicas on Ray Serve (chapter 17), run for real: `nanoserve serve --data-parallel-size 2` on a local Ray
+cluster with two CPU replicas of a tiny model, driven by the official `openai` client. Greedy answers equal one
+engine's; follow-ups find their prefix cached on the replica the router sends them to; streams, errors and keys as on
+one server; per-replica metrics and health; an abort reaches the replica; a replica whose scheduler (or whose own
+process) is killed under its requests fails them with a 503, not a hang, and Ray Serve replaces it while the endpoint
+keeps answering. The faults are made deterministic by freezing a scheduler (SIGSTOP) before the requests it must hold.
+Skipped where Ray is not installed (`pip install nanoserve[ray]`)."""
+import json, os, signal, threading, time
+from concurrent.futures import ThreadPoolExecutor
+import pytest
+
+pytest.importorskip('ray.serve')
+import httpx
+import openai
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+from nanoserve.engine import save_tiny_model
+from nanoserve.llm import LLM
+from nanoserve.req import SamplingParams
+from nanoserve.testing import ServerProcess
+
+ENGINE = dict(device='cpu', page_size=4, num_pages=256)     # per replica; max_model_len is the model's 512
+KEY = 'sk-replicas'
+PROMPTS = ['The capital of France is', 'Colours:', 'def main():', 'Numbers: 0 1 2', 'Once upon a time', 'SELECT *',
+           'Dear Sir,', 'import torch']
+DOCUMENTS = [f'Document {k}: ' + ' '.join(f'{word}{k * 7 + i}' for i, word in enumerate(['alpha', 'beta', 'gamma', 'delta'] * 12))
+             for k in range(4)]
+QUESTIONS = ['Who wrote it?', 'When was it?', 'Why does it matter?']
+
+@pytest.fixture(scope='module')
+def model_dir(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp('models') / 'tiny-llama', 'llama', tokenizer=True))
+
+@pytest.fixture(scope='module')
+def server(model_dir):
+    s = ServerProcess(model_dir, cli=True, served_model_name='tiny', data_parallel_size=2, api_key=KEY,
+                      max_request_bytes=1 << 20, **ENGINE).start()
+    yield s
+    replica_pids = [pid for pids in s.state()['pids'].values() for pid in pids.values()]
+    assert s.stop(signal.SIGTERM, timeout=120) == 0
+    for pid in replica_pids: assert _gone(pid), f'process {pid} outlived the server'
+
+@pytest.fixture(scope='module')
+def llm(model_dir): return LLM(model_dir, **ENGINE)          # one engine on the same weights
+
+@pytest.fixture(scope='module')
+def client(server): return OpenAI(base_url=server.url + '/v1', api_key=KEY, max_retries=0, timeout=120)
+
+def _gone(pid: int, timeout: float = 30.0) -> bool:
+    "Whether process `pid` has exited (or is a zombie) within `timeout` seconds."
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f'/proc/{pid}/stat') as f:
+                if f.read().rsplit(')', 1)[1].split()[0] == 'Z': return True
+        except FileNotFoundError: return True
+        time.sleep(0.1)
+    return False
+
+def _until(condition, what: str, timeout: float = 120.0, every: float = 0.2):
+    "Poll `condition()` until it returns something true; fail after `timeout` s saying `what` never happened."
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value: return value
+        time.sleep(every)
+    raise AssertionError(f'{what}: not within {timeout} s')
+
+def _replicas(server, n: int = 2, timeout: float = 120.0) -> dict:
+    "`/debug/state` once `n` replicas report their processes and counters."
+    def ready():
+        state = server.state()
+        pids, stats = state['pids'], state['stats']
+        return state if len(pids) == n and all(pids.values()) and all(stats.get(i) for i in pids) else None
+    return _until(ready, f'{n} engine replicas reporting', timeout)
+
+def _per_replica(server, name: str) -> dict[str, float]:
+    "One engine metric from `/metrics`, by replica."
+    text = httpx.get(server.url + '/metrics').text
+    return {s.labels['replica']: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name == name and 'replica' in s.labels}
+
+def _greedy(llm, prompt, n=12):
+    return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+
+def _complete(client, prompt, max_tokens=12, **kw):
+    return client.completions.create(model='tiny', prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                     extra_body={'ignore_eos': True}, **kw)
+
+# -- the endpoint ---------------------------------------------------------------------------------------------------
+def test_health_models_and_replica_metrics(server, client):
+    state = _replicas(server)
+    assert httpx.get(server.url + '/health').status_code == 200
+    assert all(set(pids) == {'replica', 'scheduler', 'tokenizer'} for pids in state['pids'].values())
+    models = client.models.list().data
+    assert [m.id for m in models] == ['tiny'] and models[0].model_extra['max_model_len'] == 512
+    assert httpx.get(server.url + '/v1/models').status_code == 401          # the key guards the API, not /health
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + '/metrics').text)}
+    for name in ['nanoserve:num_requests_running', 'nanoserve:num_requests_waiting', 'nanoserve:kv_cache_usage_perc',
+                 'nanoserve:prefix_cache_hit_rate', 'nanoserve:integrity_ok']:
+        assert {s.labels.get('replica') for s in families[name].samples} == set(state['pids']), name
+    for name in ['nanoserve:prompt_tokens', 'nanoserve:time_to_first_token_seconds']:   # the endpoint's own
+        assert name in families and all('replica' not in s.labels for s in families[name].samples), name
+
+def test_greedy_answers_equal_one_engine(server, client, llm):
+    _replicas(server)
+    queries_before = _per_replica(server, 'nanoserve:prefix_cache_queries_total')
+    refs = [_greedy(llm, p).text for p in PROMPTS]
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda p: _complete(client, p).choices[0].text, PROMPTS * 2))
+    assert texts == refs * 2
+    def both_served():
+        queries = _per_replica(server, 'nanoserve:prefix_cache_queries_total')
+        return len([i for i, q in queries.items() if q > queries_before.get(i, 0)]) == 2
+    _until(both_served, 'both replicas answering some of them', 30)
+    r = _complete(client, [PROMPTS[0], PROMPTS[2]], 6, n=2)
+    assert [c.text for c in r.choices] == [_greedy(llm, PROMPTS[0], 6).text] * 2 + [_greedy(llm, PROMPTS[2], 6).text] * 2
+    ids = llm.tokenizer(PROMPTS[3]).input_ids
+    assert _complete(client, ids, 6).choices[0].text == _greedy(llm, PROMPTS[3], 6).text
+    msgs = [{'role': 'system', 'content': 'You are terse.'}, {'role': 'user', 'content': 'What is the capital of France?'}]
+    ref = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    r = client.chat.completions.create(model='tiny', messages=msgs, max_tokens=10, temperature=0, extra_body={'ignore_eos': True})
+    assert r.choices[0].message.content == ref.outputs[0].text and r.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+def test_streams_equal_and_usage(client, llm):
+    ref = _greedy(llm, PROMPTS[1])
+    chunks = list(_complete(client, PROMPTS[1], stream=True, stream_options={'include_usage': True}))
+    assert ''.join(c.choices[0].text for c in chunks[:-1]) == ref.text
+    assert chunks[-2].choices[0].finish_reason == 'length' and chunks[-1].usage.completion_tokens == 12
+    msgs = [{'role': 'user', 'content': 'Hi there'}]
+    want = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    chunks = list(client.chat.completions.create(model='tiny', messages=msgs, max_tokens=8, temperature=0, stream=True,
+                                                 extra_body={'ignore_eos': True}))
+    assert chunks[0].choices[0].delta.role == 'assistant'
+    assert ''.join(c.choices[0].delta.content or '' for c in chunks) == want
+
+def test_follow_ups_find_their_prefix_cached(server, client):
+    "Each document's first question is computed; its follow-ups go to the same replica and find the document cached."
+    def ask(doc_and_question):
+        document, question = doc_and_question
+        return _complete(client, f'{document}\nQuestion: {question}', 4).usage
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(ask, [(d, 'What is it?') for d in DOCUMENTS]))
+        usages = list(pool.map(ask, [(d, q) for d in DOCUMENTS for q in QUESTIONS]))
+    ratios = [u.prompt_tokens_details.cached_tokens / u.prompt_tokens for u in usages]
+    assert all(r >= 0.8 for r in ratios), ratios
+    chat = lambda question: client.chat.completions.create(
+        model='tiny', max_tokens=4, temperature=0,
+        messages=[{'role': 'system', 'content': DOCUMENTS[0]}, {'role': 'user', 'content': question}]).usage
+    chat('What is it?')
+    follow_up = chat('Who wrote it?')
+    assert follow_up.prompt_tokens_details.cached_tokens >= 0.8 * follow_up.prompt_tokens, follow_up
+
+def test_error_envelope(server, client):
+    def envelope(r: httpx.Response) -> dict:
+        body = r.json()
+        assert set(body) == {'error'} and set(body['error']) == {'message', 'type', 'param', 'code'}, body
+        return body['error']
+    headers = {'Authorization': f'Bearer {KEY}'}
+    r = httpx.post(server.url + '/v1/completions', json={'model': 'tiny', 'prompt': 'x', 'temperature': -1}, headers=headers)
+    assert r.status_code == 400 and envelope(r)['param'] == 'temperature'
+    with pytest.raises(openai.BadRequestError) as e:                  # found by the replica's tokenizer
+        client.completions.create(model='tiny', prompt='hello ' * 1000, max_tokens=4)
+    assert 'maximum context length' in e.value.message and e.value.code == 'context_length_exceeded'
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model='nope', messages=[{'role': 'user', 'content': 'x'}])
+    with pytest.raises(openai.AuthenticationError):
+        OpenAI(base_url=server.url + '/v1', api_key='wrong', max_retries=0).models.list()
+    r = httpx.post(server.url + '/v1/completions', content=b'x' * (2 << 20), headers={**headers, 'content-type': 'application/json'})
+    assert r.status_code == 413 and envelope(r)
+
+# -- faults ---------------------------------------------------------------------------------------------------------
+def _settled_queries(server, timeout: float = 60.0) -> dict:
+    "Each replica's prefix-cache queries once two reports 2 s apart agree (reports lag a second or so)."
+    last, deadline = None, time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = {i: s['prefix_queries'] for i, s in _replicas(server)['stats'].items()}
+        if now == last: return now
+        last = now
+        time.sleep(2.0)
+    raise AssertionError(f'the replicas\' counts did not settle within {timeout} s')
+
+def _holder(server, client, prompt: str) -> str:
+    "Send `prompt` and return the replica that computed it (the one whose prefix-cache queries grew)."
+    before = _settled_queries(server)
+    _complete(client, prompt, 2)
+    def grown():
+        stats = server.state()['stats']
+        grew = [i for i in before if i in stats and stats[i]['prefix_queries'] > before[i]]
+        return grew[0] if len(grew) == 1 else None
+    return _until(grown, 'a replica counting the prompt', 30)
+
+def _open_requests(server) -> int: return server.state()['open_requests']
+
+def test_abort_reaches_the_replica(server, client):
+    "A client that leaves a stream while its replica's scheduler is frozen: the replica aborts it, nothing runs on."
+    prompt = DOCUMENTS[1] + '\nQuestion: abort me'
+    replica = _holder(server, client, prompt)
+    scheduler = server.state()['pids'][replica]['scheduler']
+    aborted = server.state()['stats'][replica]['aborted']
+    os.kill(scheduler, signal.SIGSTOP)
+    try:
+        body = {'model': 'tiny', 'prompt': prompt, 'max_tokens': 200, 'temperature': 0, 'stream': True}
+        with pytest.raises(httpx.ReadTimeout):      # nothing comes while the scheduler is frozen; the client leaves
+            with httpx.stream('POST', server.url + '/v1/completions', json=body, timeout=3,
+                              headers={'Authorization': f'Bearer {KEY}'}) as r: r.read()
+        _until(lambda: _open_requests(server) == 0, 'the ingress dropping the request', 30)
+        time.sleep(1.0)                             # the cancelled call reaches the replica, its abort the tokenizer
+    finally: os.kill(scheduler, signal.SIGCONT)
+    stats = _until(lambda: (lambda s: s if s['aborted'] > aborted and not s['running'] and not s['waiting'] else None)(
+        server.state()['stats'][replica]), 'the abort counted and the replica idle', 30)
+    assert stats['integrity'] == 'ok' and stats['locked_pages'] == 0
+
+def _frozen_requests(server, client, replica: str, prompt: str, count: int = 3) -> tuple[list, list[threading.Thread]]:
+    "Freeze `replica`'s scheduler and start `count` follow-ups of `prompt` (routed to it); they wait, open."
+    os.kill(server.state()['pids'][replica]['scheduler'], signal.SIGSTOP)
+    results = [None] * count
+    def ask(k: int):
+        try: results[k] = _complete(client, prompt + f' {k}', 8)
+        except openai.APIStatusError as e: results[k] = e
+    threads = [threading.Thread(target=ask, args=(k,)) for k in range(count)]
+    for t in threads: t.start()
+    _until(lambda: _open_requests(server) == count, f'{count} requests open', 30)
+    return results, threads
+
+def _replaced(server, client, llm, gone: str):
+    "The endpoint answers again, and Ray Serve has started a replica in place of `gone`."
+    _until(lambda: _answers(client), 'the endpoint answering', 120)
+    state = _until(lambda: (lambda s: s if gone not in s['pids'] else None)(_replicas(server)), 'a new replica', 120)
+    with ThreadPoolExecutor(4) as pool:          # both replicas serve, and answer as one engine does
+        assert list(pool.map(lambda p: _complete(client, p).choices[0].text, PROMPTS)) == [_greedy(llm, p).text for p in PROMPTS]
+    return state
+
+def _answers(client) -> bool:
+    try: return bool(_complete(client, PROMPTS[0], 2).choices)
+    except openai.APIStatusError: return False
+
+def test_killed_scheduler_fails_its_requests_and_is_replaced(server, client, llm):
+    prompt = DOCUMENTS[2] + '\nQuestion: which replica?'
+    replica = _holder(server, client, prompt)
+    pids = server.state()['pids'][replica]
+    results, threads = _frozen_requests(server, client, replica, prompt)
+    os.kill(pids['scheduler'], signal.SIGKILL)
+    for t in threads: t.join(60)
+    assert not any(t.is_alive() for t in threads), 'a request of the killed replica hung'
+    assert all(isinstance(r, openai.APIStatusError) and r.status_code == 503 for r in results), results
+    assert 'scheduler' in results[0].message
+    _replaced(server, client, llm, replica)
+    assert _gone(pids['replica']) and _gone(pids['tokenizer'])
+
+def test_killed_replica_fails_its_requests_and_is_replaced(server, client, llm):
+    prompt = DOCUMENTS[3] + '\nQuestion: which replica now?'
+    replica = _holder(server, client, prompt)
+    pids = server.state()['pids'][replica]
+    results, threads = _frozen_requests(server, client, replica, prompt)
+    os.kill(pids['replica'], signal.SIGKILL)
+    for t in threads: t.join(60)
+    os.kill(pids['scheduler'], signal.SIGKILL)      # frozen by the test, it would never see its parent go
+    assert not any(t.is_alive() for t in threads), 'a request of the killed replica hung'
+    assert all(isinstance(r, openai.APIStatusError) and r.status_code == 503 for r in results), results
+    _replaced(server, client, llm, replica)
+    assert _gone(pids['tokenizer'])
