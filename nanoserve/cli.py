@@ -81,8 +81,9 @@ def _replica_flags(p: argparse.ArgumentParser):
     g.add_argument('--max-replicas', type=_count, default=None, metavar='N',
                    help="autoscale: Ray Serve's most replicas (default: --data-parallel-size when --min-replicas is given)")
     g.add_argument('--routing', choices=('prefix', 'ray'), default=None,
-                   help="'prefix': to the replica that has the prompt's prefix cached, else the least loaded; "
-                        "'ray': Ray Serve's default (power of two choices) (default: prefix)")
+                   help="'prefix': to the replica that has the prompt's prefix cached, or else the one it hashes to, "
+                        "unless far busier than the others; 'ray': Ray Serve's default (power of two choices) "
+                        "(default: prefix)")
 
 _REPLICA_OPTIONS = ('data_parallel_size', 'ray_address', 'min_replicas', 'max_replicas', 'routing')
 _SERVE_OPTIONS = ('drain_timeout', 'watchdog_timeout', 'integrity_check', 'api_key', 'ssl_keyfile', 'ssl_certfile',

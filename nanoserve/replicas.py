@@ -61,14 +61,17 @@ class PrefixIndex:
 
     def rank(self, replicas: Sequence[Hashable], blocks: Sequence[int], loads: dict[Hashable, int],
              max_imbalance: int = 16) -> list[list[Hashable]]:
-        "Replicas in the order to try: those sent the longest prefix (unless far busier than the least busy), then all."
+        "Replicas in the order to try: those sent the longest prefix, else the one its first block hashes to; then all."
+        if not replicas or not blocks: return [list(replicas)]
         matches = {r: self.match(r, blocks) for r in replicas}
-        longest = max(matches.values(), default=0)
-        least_load = min((loads.get(r, 0) for r in replicas), default=0)
-        holders = [r for r in replicas if longest and matches[r] == longest
-                   and loads.get(r, 0) - least_load <= max_imbalance]    # a hot prefix must not pile up on one replica
-        if not holders: return [list(replicas)]
-        return [holders, [r for r in replicas if r not in holders]]
+        longest = max(matches.values())
+        if longest: preferred = [r for r in replicas if matches[r] == longest]
+        else: preferred = [max(replicas, key=lambda r: hash((blocks[0], r)))]     # rendezvous hashing
+        least_load = min(loads.get(r, 0) for r in replicas)
+        # NOTE: a hot prefix must not pile its traffic on one replica: never prefer one far busier than the least busy
+        preferred = [r for r in preferred if loads.get(r, 0) - least_load <= max_imbalance]
+        if not preferred: return [list(replicas)]
+        return [preferred, [r for r in replicas if r not in preferred]]
 
 # %% ../nbs/17_replicas.ipynb #e17a0013
 class PrefixAwareRouter(RequestRouter):
