@@ -12,7 +12,7 @@ from .model import ColumnParallelLinear, DecoderForCausalLM, Ops, ParallelLMHead
 from .metadata import AttentionBackend, Extend, ForwardMeta, attend_extends, extends
 from .cpu_kernels import (
     CPU_KERNELS_ENV, DecoderWeights, LayerWeights, PagedAttention, Panels, cpu_kernels, decode_layers_cpu, extend_blocks,
-    linear_cpu, pack_decoder, pack_panels, rms_norm_cpu, rope_cpu, shared_prefix_blocks, silu_and_mul_cpu, zeros_huge)
+    linear_cpu, pack_decoder, pack_panels, rms_norm_cpu, rope_cpu, shared_prefix_blocks, silu_and_mul_cpu)
 
 # %% auto #0
 __all__ = ['PackedLinears', 'cpu_ops', 'decoder_weights', 'CpuAttentionBackend']
@@ -82,10 +82,6 @@ class CpuAttentionBackend(AttentionBackend):
         if cpu_kernels() is None: return f'the C kernels are not available here (no C compiler, or {CPU_KERNELS_ENV}=0)'
         return None
 
-    @staticmethod
-    def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        "A zeroed KV pool on the CPU, backed by huge pages where Linux allows (the kernel jumps from page to page)."
-        return zeros_huge(shape, dtype)
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
         why = self.unsupported(k_cache.device, k_cache.dtype, k_cache.shape[-1])

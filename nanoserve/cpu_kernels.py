@@ -20,8 +20,8 @@ __all__ = ['C_SOURCE', 'ARG_STRUCTS', 'C_ENTRY_POINTS', 'CPU_KERNELS_ENV', 'CFLA
            'PANEL', 'LAYER_PTRS', 'CArgs', 'c_args', 'PagedAttentionArgs', 'RmsNormArgs', 'RopeArgs', 'SiluAndMulArgs',
            'LinearArgs', 'DecodeLayersArgs', 'library_source', 'kernel_cache_dir', 'library_key', 'compile_library',
            'CpuLibrary', 'cpu_kernels', 'supports', 'single_blocks', 'PagedAttention', 'paged_attention',
-           'shared_prefix_blocks', 'extend_blocks', 'rms_norm_cpu', 'rope_cpu', 'silu_and_mul_cpu', 'zeros_huge',
-           'Panels', 'pack_panels', 'linear_cpu', 'LayerWeights', 'DecoderWeights', 'pack_decoder', 'decode_layers_cpu']
+           'shared_prefix_blocks', 'extend_blocks', 'rms_norm_cpu', 'rope_cpu', 'silu_and_mul_cpu', 'Panels',
+           'pack_panels', 'linear_cpu', 'LayerWeights', 'DecoderWeights', 'pack_decoder', 'decode_layers_cpu']
 
 # %% ../nbs/90_cpu_kernels.ipynb #07426327
 C_SOURCE = r'''
@@ -901,21 +901,6 @@ def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], I)
     lib(SiluAndMulArgs.of(x=x2, x_stride=x2.stride(0), out=out, num_rows=x2.shape[0], half_width=I, threads=torch.get_num_threads()))
     return out
-
-# %% ../nbs/90_cpu_kernels.ipynb #43076b1e
-def zeros_huge(shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    "A zeroed CPU tensor whose memory Linux is asked to back with transparent huge pages (before it is first touched)."
-    t = torch.empty(shape, dtype=dtype)
-    n = t.numel() * t.element_size()
-    if n >= 4 << 20 and platform.system() == 'Linux':
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes, libc.madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-            huge = 2 << 20
-            start, end = -(-t.data_ptr() // huge) * huge, (t.data_ptr() + n) // huge * huge
-            if end > start: libc.madvise(start, end - start, 14)          # MADV_HUGEPAGE; a refusal is harmless
-        except (OSError, AttributeError): pass
-    return t.zero_()
 
 # %% ../nbs/90_cpu_kernels.ipynb #09d49115
 PANEL = 24   # output columns per panel (`NR` in the C source)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_engine.ipynb #aab00d48
 from __future__ import annotations
-import math
+import math, mmap
 from pathlib import Path
 from typing import Sequence
 import torch
@@ -18,8 +18,8 @@ from .metadata import ATTENTION_BACKENDS, AttentionBackend, GraphRunner, build_m
 from .sampling import SampleOutput, Sampler, SamplingBatch
 
 # %% auto #0
-__all__ = ['local_kv_heads', 'kv_bytes_per_page', 'num_kv_pages', 'step_output', 'run_step', 'make_backend', 'Worker',
-           'make_scheduler', 'Engine', 'save_tiny_model']
+__all__ = ['local_kv_heads', 'kv_bytes_per_page', 'num_kv_pages', 'step_output', 'run_step', 'host_zeros', 'make_backend',
+           'Worker', 'make_scheduler', 'Engine', 'save_tiny_model']
 
 # %% ../nbs/10_engine.ipynb #7052e94c
 def local_kv_heads(config: ModelConfig, tp_size: int = 1) -> int:
@@ -59,19 +59,29 @@ def run_step(runner, batch: Batch) -> StepOutput:
     out = runner.sample(batch, runner.compute_logits(batch))
     return step_output(batch, out, out.tokens.tolist() if out is not None else [])
 
+# %% ../nbs/10_engine.ipynb #10a0c002
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    "A zeroed CPU tensor that takes memory only as it is written: anonymous memory, asked for huge pages."
+    num_bytes = math.prod(shape) * dtype.itemsize
+    if num_bytes == 0: return torch.zeros(shape, dtype=dtype)
+    memory = mmap.mmap(-1, num_bytes)        # zero pages from the OS, backed on first touch
+    if hasattr(mmap, 'MADV_HUGEPAGE'): memory.madvise(mmap.MADV_HUGEPAGE)    # a refusal is harmless
+    return torch.frombuffer(memory, dtype=dtype).view(shape)     # the tensor keeps `memory` alive
+
 # %% ../nbs/10_engine.ipynb #6f7a8b9c
 def make_backend(name: str,                  # `EngineConfig.attention_backend`
                  shape: tuple[int, ...],     # the KV pools: [num_layers, num_slots, kv_heads, head_dim]
                  dtype: torch.dtype, device: torch.device,
                  scale: float) -> AttentionBackend:
     "Zeroed KV pools and the attention backend `name` over them: chapter 08's, or `'cpu'`, the C backend of chapter 91."
-    backends, zeros = ATTENTION_BACKENDS, lambda: torch.zeros(shape, dtype=dtype, device=device)
+    backends = ATTENTION_BACKENDS
     if name == 'cpu' or (name == 'auto' and device.type == 'cpu'):
         from nanoserve.cpu_backend import CpuAttentionBackend    # the appendix: loaded here only, when a CPU asks for it
         backends = {**backends, 'cpu': CpuAttentionBackend}
-        if CpuAttentionBackend.unsupported(device, dtype, shape[-1]) is None:
-            name, zeros = 'cpu', lambda: CpuAttentionBackend.zeros(shape, dtype)
-    return make_attention_backend(name, zeros(), zeros(), scale, backends)
+        if CpuAttentionBackend.unsupported(device, dtype, shape[-1]) is None: name = 'cpu'
+    if device.type == 'cpu': pools = [host_zeros(shape, dtype) for _ in range(2)]
+    else: pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)]
+    return make_attention_backend(name, *pools, scale, backends)
 
 # %% ../nbs/10_engine.ipynb #860e6be9
 class Worker:

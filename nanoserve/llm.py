@@ -198,7 +198,8 @@ class LLM:
                 bar.set_postfix_str(f'{generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s', refresh=False)
                 finished = [i for i, group in enumerate(seqs) if i not in done and all(s.req.finished for s in group)]
                 done.update(finished)
-                if finished: bar.update(len(finished))   # one refresh a step, with its rate: the last line is the final one
+                if len(done) < len(seqs): bar.update(len(finished))
+                else: bar.n = len(done)       # the last line is close()'s: printed once, not twice
         finally:
             for s in by_uid.values():
                 if not s.req.finished: self.engine.abort(s.req.uid)

@@ -259,7 +259,7 @@ class GraphRunner:
                         seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
                         last_indices=torch.arange(max_bs, dtype=torch.int64, device=dev))
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits: torch.Tensor | None = None     # fp32 [max_bs, vocab], written by every graph, sliced per bucket
 
     def bucket(self, n: int) -> int | None:
         "The captured size a batch of `n` runs as, or None when it is larger than every graph."
@@ -289,17 +289,22 @@ class GraphRunner:
         pool = None
         for bs in reversed(self.sizes):
             meta = self._static_meta(bs)
-            self.backend.prepare(meta)
-            for _ in range(2): self.model.compute_logits(self.model(meta.input_ids, meta.positions, self.backend))   # warm up
+            self.backend.prepare(meta)     # the bucket's own split count: from bs and the longest sequence
+            for _ in range(2):             # warm up
+                logits = self.model.compute_logits(self.model(meta.input_ids, meta.positions, self.backend))
+            if self.logits is None:       # the largest bucket comes first and sizes the shared buffer
+                self.logits = logits.new_empty(self.max_bs, logits.shape[-1])
             torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.logits[bs] = self.model.compute_logits(self.model(meta.input_ids, meta.positions, self.backend))
-            pool = g.pool(); self.graphs[bs] = g
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.model.compute_logits(self.model(meta.input_ids, meta.positions, self.backend))
+                self.logits[:bs].copy_(logits)
+            pool = graph.pool()
+            self.graphs[bs] = graph
         torch.cuda.synchronize()
 
     def replay(self, meta: ForwardMeta) -> torch.Tensor:
         "Run a decode batch through its graph; returns fp32 logits `[num_reqs, vocab]`."
         static = self.load(meta)
         self.graphs[static.num_reqs].replay()
-        return self.logits[static.num_reqs][:meta.num_reqs]
+        return self.logits[:meta.num_reqs]

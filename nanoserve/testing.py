@@ -7,6 +7,7 @@ from __future__ import annotations
 import json, os, signal, ssl, subprocess, sys, time, urllib.error, urllib.request
 from typing import Sequence
 from .processes import free_port
+from .server.messages import LOG_LEVEL_ENV
 
 # %% auto #0
 __all__ = ['ServerProcess', 'use_triton_interpreter']
@@ -16,10 +17,11 @@ class ServerProcess:
     "`run_server` in a child process: `with ServerProcess(model, **engine_kwargs) as s: ... s.url ...`."
     def __init__(self, model: str, host: str = '127.0.0.1', port: int | None = None, startup_timeout: float = 300.0,
                  stderr=None,      # where the server's log goes (a file object); None: this process's stderr
+                 quiet: bool = True,   # log warnings and errors only (NANOSERVE_LOG_LEVEL=warning), as tests want
                  api_key: str | Sequence[str] | None = None,   # the server's keys, passed in its environment
                  cli: bool = False,  # run `nanoserve serve MODEL` with `kwargs` as its flags, not `run_server`
                  **kwargs):        # `run_server`'s arguments and engine knobs
-        self.host, self.port, self.stderr = host, port or free_port(host), stderr
+        self.host, self.port, self.stderr, self.quiet = host, port or free_port(host), stderr, quiet
         self.keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
         self.headers = {'Authorization': f'Bearer {self.keys[0]}'} if self.keys else {}   # what `state`, `inject` send
         https = kwargs.get('ssl_certfile') is not None
@@ -51,6 +53,7 @@ class ServerProcess:
         "Start the server and wait until it is healthy; `RuntimeError` if it exits or times out first."
         env = {name: value for name, value in os.environ.items() if name != 'NANOSERVE_API_KEY'}
         if self.keys: env['NANOSERVE_API_KEY'] = ','.join(self.keys)    # not in argv, where `ps` would show them
+        if self.quiet: env[LOG_LEVEL_ENV] = 'warning'
         self.proc = subprocess.Popen(self.command(), stderr=self.stderr, env=env)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:

@@ -31,7 +31,7 @@ def guarded(model_dir, tmp_path_factory):
     "A server with two keys, a 2 s body deadline, a 1 s idle timeout and a 16-token stream backlog; its log kept."
     log_path = tmp_path_factory.mktemp('logs') / 'server.log'
     with open(log_path, 'w') as log:
-        s = ServerProcess(model_dir, served_model_name='tiny', api_key=KEYS, stderr=log, **GUARD, **ENGINE).start()
+        s = ServerProcess(model_dir, served_model_name='tiny', api_key=KEYS, stderr=log, quiet=False, **GUARD, **ENGINE).start()
         s.log_path = log_path
         yield s
         assert s.stop() == 0

@@ -154,7 +154,7 @@ class Generation:
         self.close()
         while not self.queue.empty(): self.queue.get_nowait()
         self.backlog = 0
-        log(f'dropped a stream whose client stopped reading ({unread} tokens were waiting)')
+        log(f'dropped a stream whose client stopped reading ({unread} tokens were waiting)', 'warning')
         per_choice = self.max_backlog // (len(self.reqs) * self.n)
         message = (f'the client read the stream too slowly: {unread} tokens were waiting to be sent, and the server '
                    f'keeps at most {per_choice} per choice')
@@ -292,7 +292,7 @@ class Frontend:
                     drain_logged = True
                 if not self.routes or now >= self.drain_deadline:
                     if self.routes:
-                        log(f'drain deadline reached: ending {len(self.routes)} open request(s) with a 503')
+                        log(f'drain deadline reached: ending {len(self.routes)} open request(s) with a 503', 'warning')
                         self.fail_all(503, 'the server is shutting down (drain deadline reached)')
                     else: log('drained: no request in flight')
                     if self.on_drained: self.on_drained()
@@ -312,7 +312,7 @@ class Frontend:
                 self.stalled = (f'the scheduler has made no progress for {self.watchdog_timeout:g} s with '
                                 f"{len(self.routes)} request(s) open (running {s.get('running', 0)}, "
                                 f"waiting {s.get('waiting', 0)})")
-                log(f'ERROR: watchdog: {self.stalled}')
+                log(f'ERROR: watchdog: {self.stalled}', 'error')
                 self.metrics.watchdog_stalls.inc()
         elif self.stalled is not None and quiet <= self.watchdog_timeout:
             log('watchdog: the scheduler is making progress again; serving')
@@ -338,7 +338,7 @@ class Frontend:
         "A worker is gone: fail what is open, refuse what comes, and shut the server down."
         if self.fatal: return
         self.fatal = message
-        log(f'ERROR: {message}; shutting down')
+        log(f'ERROR: {message}; shutting down', 'error')
         self.fail_all(503, message)
         if self.on_fatal: asyncio.get_running_loop().call_later(0.5, self.on_fatal)
 

@@ -27,7 +27,7 @@ def _worker_entry(main: Callable, name: str, ready, parent_pid: int, *args):
         why = f'{type(e).__name__}: {e}' if isinstance(e, (ValueError, FileNotFoundError)) else traceback.format_exc()
         try: ready.send(('error', why))
         except (OSError, ValueError): pass
-        log(f'the {name} process failed:\n{why}')
+        log(f'the {name} process failed:\n{why}', 'error')
         sys.exit(1)
 
 class WorkerStartError(RuntimeError): "A worker process failed to start."
@@ -158,7 +158,7 @@ class _Server(uvicorn.Server):
             log(f'ready: serving {frontend.model_name} at {scheme}://{config.host}:{config.port}{config.root_path} '
                 f"(max_model_len {frontend.info.get('max_model_len')}; {keys})")
             if not self.num_keys and config.host not in ('127.0.0.1', 'localhost', '::1'):
-                log(f'WARNING: listening on {config.host} without an API key: whoever reaches the port uses the model')
+                log(f'WARNING: listening on {config.host} without an API key: whoever reaches the port uses the model', 'warning')
 
     async def shutdown(self, sockets=None):
         self.frontend.fail_all(503, self.frontend.fatal or 'the server is shutting down')

@@ -10,9 +10,9 @@ import msgpack
 import zmq
 
 # %% auto #0
-__all__ = ['message', 'encode', 'decode', 'GenerateReq', 'AbortReq', 'ContextLength', 'DebugReq', 'TokenizedReq', 'TokenOut',
-           'ErrorOut', 'StepOut', 'TextOut', 'ReplyOut', 'open_socket', 'parent_alive', 'send', 'return_freed_memory',
-           'log']
+__all__ = ['LOG_LEVELS', 'LOG_LEVEL_ENV', 'message', 'encode', 'decode', 'GenerateReq', 'AbortReq', 'ContextLength', 'DebugReq',
+           'TokenizedReq', 'TokenOut', 'ErrorOut', 'StepOut', 'TextOut', 'ReplyOut', 'open_socket', 'parent_alive',
+           'send', 'return_freed_memory', 'log']
 
 # %% ../../nbs/14a_messages.ipynb #06efe8b5
 _MESSAGES: dict[str, type] = {}
@@ -156,6 +156,11 @@ def return_freed_memory(threshold: int = 128 * 1024):
     except (OSError, AttributeError): return      # not glibc: its allocator keeps its own policy
     mallopt(_M_MMAP_THRESHOLD, threshold)
 
-def log(msg: str):
-    "One line for the operator, on stderr."
+LOG_LEVELS = ('info', 'warning', 'error')
+LOG_LEVEL_ENV = 'NANOSERVE_LOG_LEVEL'     # the least level printed: 'info' (the default), 'warning' or 'error'
+
+def log(msg: str, level: str = 'info'):
+    "One line for the operator, on stderr, unless `level` is below the `NANOSERVE_LOG_LEVEL` of this process."
+    least = os.environ.get(LOG_LEVEL_ENV, 'info').lower()
+    if LOG_LEVELS.index(level) < LOG_LEVELS.index(least if least in LOG_LEVELS else 'info'): return
     print(f'nanoserve: {msg}', file=sys.stderr, flush=True)

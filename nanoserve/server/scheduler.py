@@ -68,7 +68,7 @@ class SchedulerWorker:
         except Exception as e:
             for uid in uids: self.engine.abort(uid)
             if isinstance(e, ValueError): return error_from_value(msg.rid, e)
-            log(f'scheduler: adding request {msg.rid} failed, refusing it:\n{traceback.format_exc()}')
+            log(f'scheduler: adding request {msg.rid} failed, refusing it:\n{traceback.format_exc()}', 'error')
             return ErrorOut(msg.rid, f'internal error while adding the request: {type(e).__name__}: {e}', 500)
         self.choices[msg.rid] = uids
         for uid in uids: self.sent[uid] = 0
@@ -90,7 +90,7 @@ class SchedulerWorker:
     def debug(self, msg: DebugReq):
         "Apply an injected fault; ignored unless the worker was made with `debug_hooks`."
         if not self.debug_hooks:
-            log('scheduler: ignored a debug request (the server runs without debug hooks)')
+            log('scheduler: ignored a debug request (the server runs without debug hooks)', 'warning')
             return
         self.stall += msg.stall
         if msg.step_delay is not None: self.step_delay = msg.step_delay
@@ -131,7 +131,7 @@ class SchedulerWorker:
             self.integrity = f'failed: {e}'
             self.integrity_violations += 1
             if self.integrity_check == 'raise': raise IntegrityError(f'the idle integrity check failed: {e}') from e
-            log(f'WARNING: the idle integrity check failed: {e} ({self.integrity_violations} so far); still serving')
+            log(f'WARNING: the idle integrity check failed: {e} ({self.integrity_violations} so far); still serving', 'warning')
 
     def stats(self) -> dict:
         "Counters for `/metrics`."

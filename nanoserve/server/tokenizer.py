@@ -104,7 +104,7 @@ class TokenizerWorker:
             if (t.rid, t.index) not in self.detoks: continue     # aborted, ended by a stop string, or failed
             try: out = self.text_out(t)
             except Exception as e:    # this request's failure, not the server's: end it alone, keep serving the others
-                log(f'tokenizer: detokenizing request {t.rid} failed, ending it:\n{traceback.format_exc()}')
+                log(f'tokenizer: detokenizing request {t.rid} failed, ending it:\n{traceback.format_exc()}', 'error')
                 message = f'internal error while detokenizing the output: {type(e).__name__}: {e}'
                 errors.append(ErrorOut(t.rid, message, 500))
                 aborts.append(AbortReq(t.rid))
