@@ -15,7 +15,7 @@ from .pages import PageAllocator, PageTable, to_device
 from .scheduler import ModelRunner, Scheduler, StepOutput
 from .model import load_model, resolve_model_path
 from .metadata import ATTENTION_BACKENDS, AttentionBackend, GraphRunner, build_metadata, make_attention_backend
-from .sampling import SampleOutput, Sampler, SamplingBatch
+from .sampling import PromptLogprobs, SampleOutput, Sampler, SamplingBatch
 
 # %% auto #0
 __all__ = ['local_kv_heads', 'kv_bytes_per_page', 'num_kv_pages', 'step_output', 'run_step', 'host_zeros', 'make_backend',
@@ -48,10 +48,11 @@ def num_kv_pages(engine: EngineConfig, config: ModelConfig, dtype: torch.dtype, 
 # %% ../nbs/10_engine.ipynb #3c1d7e21
 def step_output(batch: Batch, out: SampleOutput | None, tokens: list[int]) -> StepOutput:
     "The scheduler's view of a sampled step: `tokens` (on the host) and the logprobs asked for, spread over the batch."
-    output = StepOutput([-1] * batch.size, [None] * batch.size)
+    output = StepOutput([-1] * batch.size, [None] * batch.size, [None] * batch.size)
     if out is None: return output
     for i, token, logprobs in zip(batch.sample_rows, tokens, out.host_logprobs()):
         output.tokens[i], output.logprobs[i] = token, logprobs
+    if out.prompt is not None: output.prompt_logprobs[:] = out.prompt.host()
     return output
 
 def run_step(runner, batch: Batch) -> StepOutput:
@@ -122,25 +123,37 @@ class Worker:
 
     @torch.inference_mode()
     def compute_logits(self, batch: Batch) -> torch.Tensor | None:
-        "Run the model over the batch: logits of the requests that sample, or None. (Every TP rank runs this part.)"
+        "Run the model: logits of the requests that sample, then of the positions scoring prompt tokens, or None. (Every TP rank.)"
         meta = build_metadata(batch, self.table)
         if self.graphs is not None and meta.phase == 'decode' and self.graphs.bucket(meta.num_reqs) is not None:
             return self.graphs.replay(meta)
         self.backend.prepare(meta)
         hidden = self.model(meta.input_ids, meta.positions, self.backend)
-        rows = batch.sample_rows
-        if not rows: return None
-        return self.model.compute_logits(hidden[meta.last_indices[to_device(rows, self.device, torch.int64)]])
+        rows, scoring = batch.sample_rows, batch.prompt_logit_indices()
+        if not rows and not scoring: return None
+        index = meta.last_indices[to_device(rows, self.device, torch.int64)]
+        if scoring: index = torch.cat([index, to_device(scoring, self.device, torch.int64)])
+        return self.model.compute_logits(hidden[index])
 
     @torch.inference_mode()
     def sample(self, batch: Batch, logits: torch.Tensor | None) -> SampleOutput | None:
-        "Sample the requests that sample, and write their tokens into the token pool, on the device. (Only TP rank 0.)"
+        "Sample the requests that sample, write their tokens into the token pool, and score prompt tokens. (Only TP rank 0.)"
         if logits is None: return None
         reqs = [batch.reqs[i] for i in batch.sample_rows]
-        params = SamplingBatch.from_reqs(reqs, logits.shape[-1], self.device, self.model_config.eos_token_ids, self.table.tokens)
-        out = self.sampler.sample(logits, params)
-        self.write_tokens(batch, out.tokens)
+        out = SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device), [])
+        if reqs:
+            params = SamplingBatch.from_reqs(reqs, logits.shape[-1], self.device, self.model_config.eos_token_ids, self.table.tokens)
+            out = self.sampler.sample(logits[:len(reqs)], params)
+            self.write_tokens(batch, out.tokens)
+        if len(logits) > len(reqs): out.prompt = self.score_prompts(batch, logits[len(reqs):])
         return out
+
+    def score_prompts(self, batch: Batch, logits: torch.Tensor) -> PromptLogprobs:
+        "The prompt logprobs of a batch's scoring positions, from their logits: position p scores prompt token p + 1."
+        scored = [t for r, start, n in zip(batch.reqs, batch.start_lens, batch.prompt_logit_lens)
+                  for t in r.input_ids[start + 1:start + 1 + n]]
+        nums = [r.sampling_params.prompt_logprobs or 0 for r in batch.reqs]
+        return PromptLogprobs.compute(logits, to_device(scored, self.device, torch.int64), batch.prompt_logit_lens, nums)
 
     def write_tokens(self, batch: Batch, tokens: torch.Tensor):
         "Put the sampled tokens into the token pool, on the device, at the position after each sampling request's last."
@@ -170,7 +183,9 @@ class Engine:
         prompt_ids = [int(t) for t in prompt_ids]
         bad = [t for t in prompt_ids if not 0 <= t < self.worker.vocab_size]
         if bad: raise ValueError(f'prompt: token id {bad[0]} is out of range for the vocabulary (size {self.worker.vocab_size})')
-        return self.scheduler.add_request(uid, prompt_ids, params or SamplingParams())
+        params = params or SamplingParams()
+        params.check_vocab(self.worker.vocab_size)
+        return self.scheduler.add_request(uid, prompt_ids, params)
 
     def abort(self, uid) -> Req | None: return self.scheduler.abort(uid)
 

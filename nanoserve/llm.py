@@ -94,6 +94,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # per prompt token (the first None), as `logprobs`
 
 # %% ../nbs/13_llm.ipynb #479f04d6
 def make_engine(config: EngineConfig) -> Engine:
@@ -169,6 +170,8 @@ class LLM:
         vocab = self.engine.worker.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad: raise ValueError(f'prompt: token id {bad[0]} is out of range for the vocabulary (size {vocab})')
+        if sp.bad_words and not sp.bad_words_token_ids: sp.tokenize_bad_words(self.tokenizer)
+        sp.check_vocab(vocab)
         from nanoserve.budget import admission_error
         max_tokens = sp.max_tokens if sp.max_tokens is not None else self.engine.max_model_len - len(ids)
         err = admission_error(len(ids), max(max_tokens, 1), self.engine.max_model_len, self.engine.scheduler.capacity)
@@ -204,14 +207,18 @@ class LLM:
             for s in by_uid.values():
                 if not s.req.finished: self.engine.abort(s.req.uid)
             bar.close()
-        return [RequestOutput(group[0].req.uid, text, list(ids), [_completion(k, s) for k, s in enumerate(group)], True)
+        return [RequestOutput(group[0].req.uid, text, list(ids), [_completion(k, s) for k, s in enumerate(group)], True,
+                              _logprob_dicts(group[0].req.prompt_logprobs) if group[0].req.prompt_logprobs else None)
                 for (text, ids), group in zip(prompts, seqs)]
+
+def _logprob_dicts(entries: list) -> list[dict[int, float] | None]:
+    "Per token, its id and the top-N's, id -> logprob (None stays None)."
+    return [None if lp is None else {lp.token: lp.logprob, **{t: l for t, l in lp.top}} for lp in entries]
 
 def _completion(index: int, s: _Seq) -> CompletionOutput:
     req, detok = s.req, s.detok
     lps = None
-    if req.sampling_params.logprobs is not None:
-        lps = [{lp.token: lp.logprob, **{t: l for t, l in lp.top}} for lp in req.output_logprobs]
+    if req.sampling_params.logprobs is not None: lps = _logprob_dicts(req.output_logprobs)
     cum = sum(lp.logprob for lp in req.output_logprobs) if req.output_logprobs else None
     last = req.output_ids[-1] if req.output_ids else None
     stop_reason = detok.stopped_by if detok.stopped_by is not None else (last if last in req.sampling_params.stop_token_ids else None)

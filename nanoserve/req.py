@@ -9,10 +9,11 @@ from enum import Enum
 from typing import Any, Literal, Sequence
 
 # %% auto #0
-__all__ = ['MAX_LOGPROBS', 'SamplingParams', 'FinishReason', 'Req', 'Batch']
+__all__ = ['MAX_LOGPROBS', 'MAX_LOGIT_BIAS', 'SamplingParams', 'FinishReason', 'Req', 'Batch']
 
 # %% ../nbs/01_req.ipynb #c806af3b
 MAX_LOGPROBS = 20  # the most top-logprobs a request may ask for (vLLM's default bound)
+MAX_LOGIT_BIAS = 100.0   # a logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)
 _GREEDY_EPS = 1e-5
 
 def _ids(x, name: str) -> tuple[int, ...]:
@@ -20,6 +21,21 @@ def _ids(x, name: str) -> tuple[int, ...]:
     if isinstance(x, int) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x):
         raise ValueError(f'{name} must be a list of non-negative token ids, got {x!r}')
     return tuple(x)
+
+def _bias(x) -> dict[int, float]:
+    "`logit_bias` as {token id: bias}: keys may be ids or their decimal strings (JSON's), biases numbers in range."
+    if x is None: return {}
+    if not isinstance(x, dict): raise ValueError(f'logit_bias must map token ids to biases, got {x!r}')
+    out = {}
+    for key, value in x.items():
+        token = int(key) if isinstance(key, str) and key.isdecimal() else key
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            raise ValueError(f'logit_bias keys must be token ids (non-negative integers), got {key!r}')
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f'logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], '
+                             f'got {value!r} for token {key!r}')
+        out[token] = float(value)
+    return out
 
 @dataclass
 class SamplingParams:
@@ -41,6 +57,11 @@ class SamplingParams:
     logprobs: int | None = None         # return the chosen token's logprob and the top-N, N <= MAX_LOGPROBS
     skip_special_tokens: bool = True    # drop special tokens from the detokenized text
     include_stop_str_in_output: bool = False   # keep the stop string at the end of the text
+    prompt_logprobs: int | None = None  # each prompt token's logprob and the top-N after it (the first: None)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
+    allowed_token_ids: Sequence[int] | None = None  # sample only among these token ids
+    bad_words: Sequence[str] | None = None          # words never generated (tokenized by `tokenize_bad_words`)
+    bad_words_token_ids: Sequence[Sequence[int]] | None = None  # their token ids: the last is banned after the rest
 
     def __post_init__(self):
         def bad(name, why): raise ValueError(f'{name} {why}, got {getattr(self, name)!r}')
@@ -64,10 +85,35 @@ class SamplingParams:
         self.stop = tuple(stop)
         self.stop_token_ids = _ids(self.stop_token_ids, 'stop_token_ids')
         if self.seed is not None and not integer('seed'): bad('seed', 'must be an integer or None')
-        if self.logprobs is not None and (not integer('logprobs') or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad('logprobs', f'must be None or an integer in [0, {MAX_LOGPROBS}]')
+        for name in ('logprobs', 'prompt_logprobs'):
+            if getattr(self, name) is not None and (not integer(name) or not 0 <= getattr(self, name) <= MAX_LOGPROBS):
+                bad(name, f'must be None or an integer in [0, {MAX_LOGPROBS}]')
+        self.logit_bias = _bias(self.logit_bias)
+        self.allowed_token_ids = None if self.allowed_token_ids is None else _ids(self.allowed_token_ids, 'allowed_token_ids')
+        if self.allowed_token_ids == (): bad('allowed_token_ids', 'must not be empty')
+        words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words or [])
+        if not all(isinstance(w, str) and w.strip() for w in words): bad('bad_words', 'must be a list of non-empty strings')
+        self.bad_words = tuple(words)
+        seqs = self.bad_words_token_ids or []
+        if isinstance(seqs, (str, int)) or not all(isinstance(s, (list, tuple)) and s for s in seqs):
+            bad('bad_words_token_ids', 'must be a list of non-empty token-id lists')
+        self.bad_words_token_ids = tuple(_ids(s, 'bad_words_token_ids') for s in seqs)
         if self.temperature < _GREEDY_EPS:  # greedy: the other sampling knobs mean nothing
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, -1, 0.0
+
+    def check_vocab(self, vocab_size: int):
+        "Raise `ValueError` naming the field if a token id it lists is past the vocabulary."
+        for name, ids in [('logit_bias', self.logit_bias), ('allowed_token_ids', self.allowed_token_ids or ()),
+                          ('bad_words', [t for s in self.bad_words_token_ids for t in s])]:
+            bad = [t for t in ids if t >= vocab_size]
+            if bad: raise ValueError(f'{name}: token id {bad[0]} is out of range for the vocabulary (size {vocab_size})')
+        if self.bad_words and not self.bad_words_token_ids:
+            raise ValueError('bad_words: the words must be tokenized (SamplingParams.tokenize_bad_words) before the engine')
+
+    def tokenize_bad_words(self, tokenizer):
+        "Fill `bad_words_token_ids` from `bad_words`: each word's ids alone and after a space (as it appears mid-text)."
+        seqs = {tuple(tokenizer.encode(text, add_special_tokens=False)) for w in self.bad_words for text in (w, ' ' + w.lstrip())}
+        self.bad_words_token_ids = tuple(sorted(s for s in seqs if s))
 
     @property
     def greedy(self) -> bool:
@@ -101,6 +147,7 @@ class Req:
     num_retractions: int = 0             # times the request was retracted and recomputed
     output_logprobs: list = field(default_factory=list)  # per output token, when sampling_params.logprobs is set
     num_cached_tokens: int = 0           # prompt tokens found in the prefix cache when first admitted
+    prompt_logprobs: list = field(default_factory=list)  # per prompt token (the first: None), when sampling_params asks
     prompt_len: int = field(init=False)
 
     def __post_init__(self):
@@ -112,6 +159,7 @@ class Req:
             if self.sampling_params.max_tokens is None:
                 raise ValueError('max_tokens: None must be resolved against max_model_len before the request is built')
             self.max_device_len = self.prompt_len + self.sampling_params.max_tokens
+        if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs: self.prompt_logprobs = [None]
         self.check()
 
     def check(self):
@@ -137,6 +185,21 @@ class Req:
 
     @property
     def finished(self) -> bool: return self.finish_reason is not None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        "Whether the request asks for prompt logprobs it does not have yet (its prefill must compute every position)."
+        return self.sampling_params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len
+
+    def prompt_logit_len(self, start: int, n: int) -> int:
+        "How many of the positions `[start, start + n)` score a prompt token this request still needs: each scores the next."
+        return max(0, min(start + n, self.prompt_len - 1) - start) if self.needs_prompt_logprobs else 0
+
+    def add_prompt_logprobs(self, start: int, entries: list):
+        "Take the logprobs of prompt tokens `start + 1, start + 2, ...`; those it already has (a recompute) are skipped."
+        have = len(self.prompt_logprobs)
+        assert have >= start + 1, f'req {self.uid}: prompt logprobs from token {start + 1}, but only {have} known'
+        self.prompt_logprobs.extend(entries[have - start - 1:])
 
     def advance(self, n: int) -> bool:
         "At launch: KV for the next `n` positions is being computed. Returns whether this step samples a token."
@@ -172,6 +235,7 @@ class Batch:
     start_lens: list[int] = field(default_factory=list)  # each request's cached_len before the launch
     samples: list[bool] = field(default_factory=list)    # whether each request samples a token this step
     epochs: list[int] = field(default_factory=list)      # each request's num_retractions when scheduled
+    prompt_logit_lens: list[int] = field(default_factory=list)   # per request, its first positions scoring prompt tokens
 
     def __post_init__(self):
         assert len(self.reqs) == len(self.extend_lens) > 0
@@ -179,6 +243,8 @@ class Batch:
         if not self.start_lens: self.start_lens = [r.cached_len for r in self.reqs]
         if not self.samples: self.samples = [r.cached_len + n == r.device_len for r, n in zip(self.reqs, self.extend_lens)]
         if not self.epochs: self.epochs = [r.num_retractions for r in self.reqs]
+        if not self.prompt_logit_lens:
+            self.prompt_logit_lens = [r.prompt_logit_len(s, n) for r, s, n in zip(self.reqs, self.start_lens, self.extend_lens)]
 
     @property
     def size(self) -> int: return len(self.reqs)
@@ -190,6 +256,14 @@ class Batch:
     def sample_rows(self) -> list[int]:
         "Which requests of the batch sample a token this step (their logits rows, in order)."
         return [i for i, sampled in enumerate(self.samples) if sampled]
+
+    def prompt_logit_indices(self) -> list[int]:
+        "Where the positions scoring prompt tokens sit among the step's tokens (requests' positions follow each other)."
+        out, offset = [], 0
+        for n, k in zip(self.extend_lens, self.prompt_logit_lens):
+            out += range(offset, offset + k)
+            offset += n
+        return out
 
     def launch(self):
         "Advance every request's lengths, as the step starts."

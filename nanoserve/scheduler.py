@@ -21,6 +21,7 @@ class StepOutput(NamedTuple):
     "What a runner returns for a launched batch: one token per request (-1 where it samples nothing), and per request the logprobs its sampler reported (None where none were asked for)."
     tokens: Sequence[int]
     logprobs: Sequence | None = None
+    prompt_logprobs: Sequence | None = None   # per request, the entries of the prompt tokens its positions scored
 
 class ModelRunner(Protocol):
     "What the scheduler needs from a model: one sampled token per request of a launched batch."
@@ -210,14 +211,15 @@ class Scheduler:
 
     def _uncached_window(self, req: Req) -> tuple | None:
         "What a request must compute first, past its cache hit: `(cached_len, next 32 tokens in whole pages)`, or None."
-        if self.cache is None: return None
+        if self.cache is None or req.needs_prompt_logprobs: return None
         start, width = req.cached_len, cdiv(32, self.page_size) * self.page_size
         if start + width > req.device_len - 1: return None   # too little left to share a page worth the wait
         return start, tuple(req.input_ids[start:start + width])
 
     def _match(self, req: Req) -> tuple[RadixNode | None, torch.Tensor]:
         "Lock the longest cached prefix of the request, at most `device_len - 1` tokens (one must be computed)."
-        if self.cache is None: return None, torch.empty(0, dtype=torch.int32)
+        if self.cache is None or req.needs_prompt_logprobs:   # a cached prefix has no logits: compute it all again
+            return None, torch.empty(0, dtype=torch.int32)
         node, hit = self.cache.match_prefix(req.input_ids[:req.device_len - 1])
         self.cache.lock(node)
         req.cached_len = len(hit)
@@ -246,9 +248,13 @@ class Scheduler:
         self._processed += 1
         self._free_rows()
         logprobs = output.logprobs if output.logprobs is not None else [None] * batch.size
+        prompt_logprobs = output.prompt_logprobs or [None] * batch.size
         out = []
-        for req, sampled, epoch, token, lp in zip(batch.reqs, batch.samples, batch.epochs, output.tokens, logprobs):
-            if req.finished or not sampled or req.num_retractions != epoch: continue   # done, or retracted meanwhile
+        for req, sampled, epoch, token, lp, start, plp in zip(batch.reqs, batch.samples, batch.epochs, output.tokens,
+                                                               logprobs, batch.start_lens, prompt_logprobs):
+            if req.finished or req.num_retractions != epoch: continue   # done, or retracted meanwhile
+            if plp: req.add_prompt_logprobs(start, plp)
+            if not sampled: continue
             req.append_token(token)
             if lp is not None: req.output_logprobs.append(lp)
             out.append(req)

@@ -121,6 +121,7 @@ class StepMessage:
     start_lens: list[int]       # positions cached before the step
     extend_lens: list[int]      # positions computed by the step
     samples: list[bool]         # whether each request samples a token (its last position goes through the LM head)
+    prompt_logit_lens: list[int]  # how many of its first positions go through the LM head too (prompt logprobs)
     token_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, start, ids) rank 0's host wrote
     updates: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)    # (row, start, token locations) to write
 
@@ -131,40 +132,41 @@ class StepMessage:
                    updates: list[tuple[int, int, torch.Tensor]]) -> StepMessage:
         "The message for a launched batch."
         return cls(batch.phase, [r.table_idx for r in batch.reqs], list(batch.start_lens), list(batch.extend_lens),
-                   list(batch.samples), list(token_writes), updates)
+                   list(batch.samples), list(batch.prompt_logit_lens), list(token_writes), updates)
 
     def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
         "The int32 header and payload: the batch, then every span's row, start and length, then their values."
         spans = [(row, start, torch.tensor(ids, dtype=torch.int32)) for row, start, ids in self.token_writes] + self.updates
         values = [v.to(torch.int32) for _, _, v in spans]
         header = [_STEP, _PHASES.index(self.phase), len(self.rows), len(self.token_writes), len(self.updates), sum(map(len, values))]
-        ints = self.rows + self.start_lens + self.extend_lens + [int(s) for s in self.samples]
+        ints = self.rows + self.start_lens + self.extend_lens + [int(s) for s in self.samples] + self.prompt_logit_lens
         ints += [row for row, _, _ in spans] + [start for _, start, _ in spans] + [len(v) for v in values]
         return torch.tensor(header, dtype=torch.int32), torch.cat([torch.tensor(ints, dtype=torch.int32), *values])
 
     @staticmethod
     def payload_size(header: torch.Tensor) -> int:
         _, _, b, w, u, v = header.tolist()
-        return 4 * b + 3 * (w + u) + v
+        return 5 * b + 3 * (w + u) + v
 
     @classmethod
     def decode(cls, header: torch.Tensor, payload: torch.Tensor) -> StepMessage:
         "The message back from its header and payload."
         kind, phase, b, w, u, v = header.tolist()
         assert kind == _STEP and len(payload) == StepMessage.payload_size(header), 'malformed step message'
-        ints = payload[:4 * b + 3 * (w + u)].tolist()
-        rows, starts, lens, samples = (ints[i * b:(i + 1) * b] for i in range(4))
-        spans = ints[4 * b:]
+        ints = payload[:5 * b + 3 * (w + u)].tolist()
+        rows, starts, lens, samples, scoring = (ints[i * b:(i + 1) * b] for i in range(5))
+        spans = ints[5 * b:]
         n = w + u
-        values = payload[4 * b + 3 * n:].split(spans[2 * n:]) if n else []
+        values = payload[5 * b + 3 * n:].split(spans[2 * n:]) if n else []
         span_list = list(zip(spans[:n], spans[n:2 * n], values))
-        return cls(_PHASES[phase], rows, starts, lens, [bool(s) for s in samples],
+        return cls(_PHASES[phase], rows, starts, lens, [bool(s) for s in samples], scoring,
                    [(row, start, ids.tolist()) for row, start, ids in span_list[:w]], span_list[w:])
 
     def batch(self) -> Batch:
         "The batch a follower runs: the same rows and lengths as rank 0's."
         reqs = [_FollowerReq(row) for row in self.rows]
-        return Batch(reqs, self.phase, list(self.extend_lens), list(self.start_lens), list(self.samples), [0] * len(reqs))
+        return Batch(reqs, self.phase, list(self.extend_lens), list(self.start_lens), list(self.samples), [0] * len(reqs),
+                     list(self.prompt_logit_lens))
 
     def apply(self, table: PageTable):
         "Write the step's page-table changes, and rank 0's host writes to the token pool, on a follower's table."
@@ -279,7 +281,7 @@ class TPLeader:
         "Sample on rank 0, and send the tokens to the other ranks' token pools, device to device."
         try:
             out = self.worker.sample(batch, logits)
-            if out is not None: dist.broadcast(out.tokens, 0)
+            if batch.sample_rows: dist.broadcast(out.tokens, 0)   # the followers wait for tokens only then
         except Exception as e:
             self.error = self.failure(e)
             raise self.error from e

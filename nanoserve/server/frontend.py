@@ -176,8 +176,10 @@ class Generation:
         while not self.finished: items.append(await self.next())
         return items
 
-    def usage(self) -> dict:
-        return usage_dict(sum(self.prompt_tokens.values()), self.completion_tokens, sum(self.cached_tokens.values()))
+    def usage(self, completion_tokens: int | None = None) -> dict:
+        "The usage, counting every token fed so far, or `completion_tokens` (what a stream has sent)."
+        completion = self.completion_tokens if completion_tokens is None else completion_tokens
+        return usage_dict(sum(self.prompt_tokens.values()), completion, sum(self.cached_tokens.values()))
 
     def close(self):
         "Stop listening; abort the backend requests that have not finished."
@@ -342,6 +344,10 @@ class Frontend:
         self.fail_all(503, message)
         if self.on_fatal: asyncio.get_running_loop().call_later(0.5, self.on_fatal)
 
+    def model_card(self) -> dict:
+        return {'id': self.model_name, 'object': 'model', 'created': self.created, 'owned_by': 'nanoserve',
+                'root': self.info.get('path'), 'max_model_len': self.info.get('max_model_len')}
+
     def check_model(self, model: str | None):
         if model is not None and model != self.model_name:
             raise ApiError(404, f'The model `{model}` does not exist.', 'model', 'model_not_found')
@@ -435,17 +441,18 @@ class _EventStream(StreamingResponse):
 async def _events(first: TextOut, gen: Generation, fmt: ResponseFormat, num_choices: int) -> AsyncIterator[str]:
     if fmt.kind == 'chat':
         for i in range(num_choices): yield sse(fmt.role_chunk(i))
-    item = first
+    item, sent = first, 0
     while True:
-        if item.text or item.finish_reason is not None or item.logprobs:   # held-back text (maybe a stop string) waits
-            yield sse(fmt.chunk(item))
+        sent += 0 if fmt.echo_only else len(item.token_ids)        # completion tokens so far (continuous usage)
+        if item.text or item.finish_reason is not None or item.logprobs or item.prompt_text or item.prompt_logprobs:
+            yield sse(fmt.chunk(item, gen.usage(sent)))              # held-back text (maybe a stop string) waits
         if gen.finished: break
         try: item = await gen.next()
         except ApiError as e:
             yield sse(e.body())
             yield SSE_DONE
             return
-    if fmt.include_usage: yield sse(fmt.usage_chunk(gen.usage()))
+    if fmt.include_usage: yield sse(fmt.usage_chunk(gen.usage(sent)))
     yield SSE_DONE
 
 def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_bytes: int = MAX_REQUEST_BYTES,
@@ -476,10 +483,12 @@ def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_byte
         return {'status': 'ok'}
 
     @app.get('/v1/models')
-    async def models():
-        card = {'id': frontend.model_name, 'object': 'model', 'created': frontend.created, 'owned_by': 'nanoserve',
-                'root': frontend.info.get('path'), 'max_model_len': frontend.info.get('max_model_len')}
-        return {'object': 'list', 'data': [card]}
+    async def models(): return {'object': 'list', 'data': [frontend.model_card()]}
+
+    @app.get('/v1/models/{model_id:path}')
+    async def model(model_id: str):
+        frontend.check_model(model_id)
+        return frontend.model_card()
 
     @app.get('/metrics')
     async def metrics():
@@ -506,8 +515,15 @@ def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_byte
 
     async def run(request: Request, body, reqs: list[GenerateReq], sp: SamplingParams, kind: str):
         want_logprobs = body.logprobs if kind == 'chat' else body.logprobs is not None
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = ResponseFormat(kind, frontend.model_name, want_logprobs, include_usage, body.return_tokens_as_token_ids)
+        options = body.stream_options
+        last = body.messages[-1] if kind == 'chat' and body.messages else {}
+        echoed = last.get('content') if kind == 'chat' and body.echo and last.get('role') == 'assistant' else None
+        fmt = ResponseFormat(kind, frontend.model_name, want_logprobs, bool(options and options.include_usage),
+                             body.return_tokens_as_token_ids, echo=kind == 'completion' and body.echo,
+                             echo_only=kind == 'completion' and body.echo_only,
+                             chat_prefix=echoed if isinstance(echoed, str) else '',
+                             prompt_logprobs=body.prompt_logprobs is not None,
+                             continuous_usage=bool(options and options.continuous_usage_stats))
         gen = frontend.generate(reqs, sp.n, kind, body.stream)
         try: first = await unless_disconnected(request, gen.next())   # errors before any token are plain HTTP errors
         except ClientDisconnected:
@@ -523,7 +539,7 @@ def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_byte
         finally: gen.close()
         choices = [Choice(i) for i in range(len(reqs) * sp.n)]
         for item in items: choices[item.index].add(item)
-        return fmt.response(choices, gen.usage())
+        return fmt.response(choices, gen.usage(0) if fmt.echo_only else gen.usage())
 
     @app.post('/v1/completions')
     async def completions(body: CompletionRequest, request: Request):
@@ -535,8 +551,8 @@ def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_byte
         if len(prompts) > MAX_PROMPTS:
             raise ApiError(400, f'prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}', 'prompt')
         params = asdict(sp)
-        reqs = [GenerateReq(f'cmpl-{uuid.uuid4().hex}', params, prompt=q) if isinstance(q, str)
-                else GenerateReq(f'cmpl-{uuid.uuid4().hex}', params, prompt_ids=q) for q in prompts]
+        reqs = [GenerateReq(f'cmpl-{uuid.uuid4().hex}', params, prompt=q, echo=body.echo) if isinstance(q, str)
+                else GenerateReq(f'cmpl-{uuid.uuid4().hex}', params, prompt_ids=q, echo=body.echo) for q in prompts]
         return await run(request, body, reqs, sp, 'completion')
 
     @app.post('/v1/chat/completions')
@@ -544,7 +560,8 @@ def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_byte
         frontend.check_model(body.model)
         sp = sampling_params_from(body)
         if not body.messages: raise ApiError(400, 'messages: at least one message is required', 'messages')
-        req = GenerateReq(f'chat-{uuid.uuid4().hex}', asdict(sp), messages=body.messages)
+        req = GenerateReq(f'chat-{uuid.uuid4().hex}', asdict(sp), messages=body.messages,
+                          add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
         return await run(request, body, [req], sp, 'chat')
 
     return app

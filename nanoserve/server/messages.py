@@ -50,6 +50,9 @@ class GenerateReq:
     prompt: str | None = None             # text to tokenize (completions)
     prompt_ids: list[int] | None = None   # token ids, used as they are
     messages: list[dict] | None = None    # a conversation, rendered with the chat template
+    add_generation_prompt: bool = True    # chat: open the assistant's turn after the messages
+    continue_final_message: bool = False  # chat: leave the last message open, to be continued
+    echo: bool = False                    # send the prompt's text back with the first output of each choice
 
 @message
 class AbortReq:
@@ -87,6 +90,8 @@ class TokenOut:
     finish_reason: str | None             # 'stop', 'length', 'abort' or None while running
     prompt_len: int
     cached_len: int                       # prompt tokens found in the prefix cache
+    prompt_logprobs: list | None = None   # with a choice's first tokens, when asked: per prompt token after the first
+                                          # [logprob, [[top id, logprob], ...]]
 
 @message
 class ErrorOut:
@@ -117,6 +122,9 @@ class TextOut:
     stop_reason: str | int | None         # the stop string or stop token id that ended it
     prompt_len: int
     cached_len: int
+    prompt_text: str | None = None        # with a choice's first text, when the request echoes its prompt
+    prompt_logprobs: list | None = None   # with a choice's first text, when asked: per prompt token [id, token string,
+                                          # logprob, [[top id, top string, logprob], ...]], the first logprob None
 
 @message
 class ReplyOut:

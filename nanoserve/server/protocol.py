@@ -14,9 +14,10 @@ from ..req import SamplingParams
 from .messages import ErrorOut, GenerateReq, TextOut, encode
 
 # %% auto #0
-__all__ = ['CONTEXT_ERROR', 'MAX_N', 'MAX_PROMPTS', 'MAX_STOP', 'MAX_STOP_CHARS', 'SSE_DONE', 'ApiError', 'error_from_value',
-           'StreamOptions', 'CompletionRequest', 'ChatCompletionRequest', 'sampling_params_from', 'validation_error',
-           'encode_request', 'sse', 'Choice', 'ResponseFormat', 'usage_dict']
+__all__ = ['CONTEXT_ERROR', 'IGNORED_FIELDS', 'MAX_N', 'MAX_PROMPTS', 'MAX_STOP', 'MAX_STOP_CHARS', 'MAX_LOGIT_BIAS', 'SSE_DONE',
+           'ApiError', 'error_from_value', 'StreamOptions', 'CompletionRequest', 'ChatCompletionRequest',
+           'sampling_params_from', 'validation_error', 'encode_request', 'sse', 'Choice', 'ResponseFormat',
+           'usage_dict']
 
 # %% ../../nbs/14b_protocol.ipynb #9a9747ae
 class ApiError(Exception):
@@ -46,11 +47,14 @@ def error_from_value(rid: str, e: ValueError) -> ErrorOut:
 
 # %% ../../nbs/14b_protocol.ipynb #db0a7ce8
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = False            # a last chunk with the usage
+    continuous_usage_stats: bool = False   # vLLM's: the usage so far in every chunk
+
+IGNORED_FIELDS = ('user', 'store', 'metadata')   # OpenAI fields with no meaning for a local server: accepted, unused
 
 class _SamplingRequest(BaseModel):
     "Fields shared by completions and chat."
-    model_config = ConfigDict(extra='ignore')
+    model_config = ConfigDict(extra='allow')   # kept, to refuse by name (`_refuse_unsupported`)
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -63,7 +67,6 @@ class _SamplingRequest(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict | None = None
-    user: str | None = None
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -74,14 +77,22 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_tokens_as_token_ids: bool = False   # logprobs name tokens 'token_id:{id}', not by their text
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
 class CompletionRequest(_SamplingRequest):
     "The body of `POST /v1/completions`."
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False                     # the prompt before the completion (with logprobs: the prompt's too)
     suffix: str | None = None
     best_of: int | None = None
+
+    @property
+    def echo_only(self) -> bool:
+        "`max_tokens: 0` with `echo`: the prompt alone, as vLLM answers it (lm-eval's loglikelihood requests)."
+        return self.echo and self.max_tokens == 0
 
 class ChatCompletionRequest(_SamplingRequest):
     "The body of `POST /v1/chat/completions`."
@@ -92,28 +103,37 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list | None = None
     tool_choice: Any = None
     response_format: dict | None = None
+    # vLLM extensions
+    echo: bool = False                     # the reply starts with the last message's content, if it is the assistant's
+    add_generation_prompt: bool = True     # open the assistant's turn after the messages
+    continue_final_message: bool = False   # leave the last message open: the reply continues it
 
 MAX_N, MAX_PROMPTS = 128, 2048
 MAX_STOP, MAX_STOP_CHARS = 64, 1000   # stop strings (and stop token ids) per request; characters per stop string
+MAX_LOGIT_BIAS = 300                  # logit_bias entries per request
 
 def _refuse_unsupported(body: _SamplingRequest):
-    "400 for fields whose meaning nanoserve does not implement."
-    unsupported = [('logit_bias', bool(body.logit_bias))]
+    "400 for fields whose meaning nanoserve does not implement, and for fields it does not know."
+    unsupported = [(name, True) for name in body.model_extra or {} if name not in IGNORED_FIELDS]
     if isinstance(body, CompletionRequest):
-        unsupported += [('echo', body.echo), ('suffix', body.suffix is not None),
-                        ('best_of', body.best_of not in (None, body.n))]
+        unsupported += [('suffix', body.suffix is not None), ('best_of', body.best_of not in (None, body.n))]
     else:
         unsupported += [('tools', bool(body.tools)), ('tool_choice', body.tool_choice not in (None, 'none')),
                         ('response_format', (body.response_format or {}).get('type', 'text') != 'text')]
     for name, used in unsupported:
         if used: raise ApiError(400, f'{name} is not supported by this server', name)
+    if isinstance(body, ChatCompletionRequest) and body.continue_final_message and body.add_generation_prompt:
+        raise ApiError(400, 'continue_final_message needs add_generation_prompt to be false: the last message is '
+                       'continued, no new turn is opened', 'continue_final_message')
 
 def _refuse_oversized(body: _SamplingRequest):
     "400 for more choices, stop strings or stop token ids than the server takes, or a stop string too long."
     if body.n > MAX_N: raise ApiError(400, f'n must be <= {MAX_N}, got {body.n}', 'n')
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    for name, count in [('stop', len(stop)), ('stop_token_ids', len(body.stop_token_ids or []))]:
-        if count > MAX_STOP: raise ApiError(400, f'{name} must have at most {MAX_STOP} entries, got {count}', name)
+    for name, count, most in [('stop', len(stop), MAX_STOP), ('stop_token_ids', len(body.stop_token_ids or []), MAX_STOP),
+                              ('bad_words', len(body.bad_words or []), MAX_STOP),
+                              ('logit_bias', len(body.logit_bias or {}), MAX_LOGIT_BIAS)]:
+        if count > most: raise ApiError(400, f'{name} must have at most {most} entries, got {count}', name)
     longest = max(map(len, stop), default=0)
     if longest > MAX_STOP_CHARS:
         raise ApiError(400, f'stop strings must have at most {MAX_STOP_CHARS} characters, got {longest}', 'stop')
@@ -134,7 +154,11 @@ def sampling_params_from(body: CompletionRequest | ChatCompletionRequest) -> Sam
         renamed['logprobs'] = 'top_logprobs'
     else:
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        if body.echo_only: max_tokens = 1    # one token is generated and dropped: the engine always samples one
         logprobs = body.logprobs
+    prompt_logprobs = body.prompt_logprobs
+    if isinstance(body, CompletionRequest) and body.echo and logprobs is not None:   # the echoed prompt's logprobs
+        prompt_logprobs = max(logprobs, prompt_logprobs or 0)
     try:
         return SamplingParams(
             n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
@@ -143,7 +167,8 @@ def sampling_params_from(body: CompletionRequest | ChatCompletionRequest) -> Sam
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos, seed=body.seed, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output)
+            include_stop_str_in_output=body.include_stop_str_in_output, prompt_logprobs=prompt_logprobs,
+            logit_bias=body.logit_bias, allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words)
     except ValueError as e:
         error = error_from_value('', e)
         param, message = renamed.get(error.param, error.param), error.message
@@ -189,8 +214,12 @@ class Choice:
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_text: str | None = None          # the echoed prompt
+    prompt_logprobs: list | None = None     # per prompt token, as `TextOut.prompt_logprobs`
 
     def add(self, out: TextOut):
+        if out.prompt_text is not None: self.prompt_text = out.prompt_text
+        if out.prompt_logprobs is not None: self.prompt_logprobs = out.prompt_logprobs
         self.text += out.text
         self.token_ids += out.token_ids
         if out.logprobs: self.logprobs += out.logprobs
@@ -200,9 +229,15 @@ class ResponseFormat:
     "OpenAI's JSON for one completions or chat request: chunks, the final response, usage, logprobs."
     def __init__(self, kind: Literal['completion', 'chat'], model: str, logprobs: bool = False,
                  include_usage: bool = False,
-                 tokens_as_ids: bool = False):   # name logprobs' tokens 'token_id:{id}' (return_tokens_as_token_ids)
+                 tokens_as_ids: bool = False,    # name logprobs' tokens 'token_id:{id}' (return_tokens_as_token_ids)
+                 echo: bool = False,             # completions: the prompt (and its logprobs) before the completion
+                 echo_only: bool = False,        # completions: the prompt alone (max_tokens 0); the token sampled is dropped
+                 chat_prefix: str = '',          # chat: what the reply starts with (vLLM's echo of the last message)
+                 prompt_logprobs: bool = False,  # vLLM's `prompt_logprobs` field, per choice (chat: per response)
+                 continuous_usage: bool = False):   # the usage so far in every chunk
         self.kind, self.model, self.want_logprobs, self.include_usage = kind, model, logprobs, include_usage
-        self.tokens_as_ids = tokens_as_ids
+        self.tokens_as_ids, self.echo, self.echo_only, self.chat_prefix = tokens_as_ids, echo or echo_only, echo_only, chat_prefix
+        self.want_prompt_logprobs, self.continuous_usage = prompt_logprobs, continuous_usage
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._offsets: dict[int, int] = {}    # completions: characters streamed so far, per choice (for text_offset)
@@ -232,26 +267,47 @@ class ResponseFormat:
             offset += len(text)
         return {'tokens': [self.token(token_id, text) for token_id, text, _, _ in entries],
                 'token_logprobs': [logprob for _, _, logprob, _ in entries],
-                'top_logprobs': [{self.token(token_id, text): logprob for token_id, text, logprob in top}
-                                 for _, _, _, top in entries],
+                'top_logprobs': [None if logprob is None else {self.token(token_id, text): lp for token_id, text, lp in top}
+                                 for _, _, logprob, top in entries],   # the first prompt token has none (echo)
                 'text_offset': offsets}
 
+    def vllm_prompt_logprobs(self, entries: list | None) -> list | None:
+        "vLLM's `prompt_logprobs`: per prompt token (the first None), {token id: {'logprob', 'decoded_token'}}."
+        if entries is None: return None
+        def one(token_id, text, logprob): return {str(token_id): {'logprob': logprob, 'decoded_token': self.token(token_id, text)}}
+        return [None if logprob is None else {**one(token_id, text, logprob), **{k: v for t in top for k, v in one(*t).items()}}
+                for token_id, text, logprob, top in entries]
+
+    def _text_and_entries(self, text: str, entries: list, prompt_text: str | None, prompt_entries: list | None):
+        "A completion's text and logprobs entries as sent: the prompt's before them (echo), or alone (echo_only)."
+        if self.echo_only: text, entries = '', []
+        if self.echo and prompt_text is not None: text, entries = prompt_text + text, (prompt_entries or []) + entries
+        return text, entries
+
+    def _finish(self, reason: str | None, stop_reason) -> tuple[str | None, str | int | None]:
+        return ('length', None) if self.echo_only and reason is not None else (reason, stop_reason)
+
     def role_chunk(self, index: int) -> dict:
-        "Chat's first chunk of a choice."
-        delta = {'role': 'assistant', 'content': ''}
+        "Chat's first chunk of a choice (with the echoed start of the reply)."
+        delta = {'role': 'assistant', 'content': self.chat_prefix}
         return {**self._head('chat.completion.chunk'),
                 'choices': [{'index': index, 'delta': delta, 'logprobs': None, 'finish_reason': None}]}
 
-    def chunk(self, out: TextOut) -> dict:
-        "One delta of one choice."
+    def chunk(self, out: TextOut, usage: dict | None = None) -> dict:
+        "One delta of one choice (with the usage so far, under `continuous_usage`)."
+        text, entries = self._text_and_entries(out.text, out.logprobs or [], out.prompt_text, out.prompt_logprobs)
         offset = self._offsets.get(out.index, 0)
-        self._offsets[out.index] = offset + len(out.text)
-        choice = {'index': out.index, 'logprobs': self.logprobs(out.logprobs or [], offset),
-                  'finish_reason': out.finish_reason}
-        if out.finish_reason is not None: choice['stop_reason'] = out.stop_reason
-        if self.kind == 'chat': choice['delta'] = {'content': out.text} if out.text else {}
-        else: choice['text'] = out.text
-        return {**self._head(self._chunk_object), 'choices': [choice]}
+        self._offsets[out.index] = offset + len(text)
+        finish, stop_reason = self._finish(out.finish_reason, out.stop_reason)
+        choice = {'index': out.index, 'logprobs': self.logprobs(entries, offset), 'finish_reason': finish}
+        if finish is not None: choice['stop_reason'] = stop_reason
+        if self.want_prompt_logprobs and out.prompt_logprobs is not None:
+            choice['prompt_logprobs'] = self.vllm_prompt_logprobs(out.prompt_logprobs)
+        if self.kind == 'chat': choice['delta'] = {'content': text} if text else {}
+        else: choice['text'] = text
+        chunk = {**self._head(self._chunk_object), 'choices': [choice]}
+        if self.continuous_usage and usage is not None: chunk['usage'] = usage
+        return chunk
 
     def usage_chunk(self, usage: dict) -> dict:
         return {**self._head(self._chunk_object), 'choices': [], 'usage': usage}
@@ -260,13 +316,19 @@ class ResponseFormat:
         "The whole non-streaming response."
         out = []
         for c in choices:
-            choice = {'index': c.index, 'logprobs': self.logprobs(c.logprobs), 'finish_reason': c.finish_reason,
-                      'stop_reason': c.stop_reason}
-            if self.kind == 'chat': choice['message'] = {'role': 'assistant', 'content': c.text}
-            else: choice['text'] = c.text
+            text, entries = self._text_and_entries(c.text, c.logprobs, c.prompt_text, c.prompt_logprobs)
+            finish, stop_reason = self._finish(c.finish_reason, c.stop_reason)
+            choice = {'index': c.index, 'logprobs': self.logprobs(entries), 'finish_reason': finish, 'stop_reason': stop_reason}
+            if self.kind == 'chat': choice['message'] = {'role': 'assistant', 'content': self.chat_prefix + text}
+            else: choice['text'] = text
+            if self.want_prompt_logprobs and self.kind == 'completion':
+                choice['prompt_logprobs'] = self.vllm_prompt_logprobs(c.prompt_logprobs)
             out.append(choice)
         obj = 'chat.completion' if self.kind == 'chat' else 'text_completion'
-        return {**self._head(obj), 'choices': out, 'usage': usage}
+        response = {**self._head(obj), 'choices': out, 'usage': usage}
+        if self.want_prompt_logprobs and self.kind == 'chat' and choices:   # vLLM: the prompt's, once per response
+            response['prompt_logprobs'] = self.vllm_prompt_logprobs(choices[0].prompt_logprobs)
+        return response
 
 def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {'prompt_tokens': prompt_tokens, 'completion_tokens': completion_tokens,

@@ -33,6 +33,10 @@ def integrity_mode(mode: str | None = None) -> str:
     if mode not in ('warn', 'raise'): raise ValueError(f"integrity_check must be 'warn' or 'raise', got {mode!r}")
     return mode
 
+def _wire(entries: list) -> list:
+    "Logprobs entries (`TokenLogprobs`) as `TokenOut` carries them: [logprob, [[top id, logprob], ...]] each."
+    return [[lp.logprob, [list(candidate) for candidate in lp.top]] for lp in entries]
+
 class SchedulerWorker:
     "The scheduler process's logic: admit and abort requests, step the engine, report tokens and counters."
     def __init__(self, engine,
@@ -106,11 +110,12 @@ class SchedulerWorker:
             start = self.sent[req.uid]
             new = req.output_ids[start:]
             logprobs = None
-            if req.sampling_params.logprobs is not None:
-                logprobs = [[lp.logprob, [list(candidate) for candidate in lp.top]]
-                            for lp in req.output_logprobs[start:start + len(new)]]
+            if req.sampling_params.logprobs is not None: logprobs = _wire(req.output_logprobs[start:start + len(new)])
             finish = req.finish_reason.value if req.finish_reason is not None else None
-            outs.append(TokenOut(req.uid[0], req.uid[1], new, logprobs, finish, req.prompt_len, req.num_cached_tokens))
+            out = TokenOut(req.uid[0], req.uid[1], new, logprobs, finish, req.prompt_len, req.num_cached_tokens)
+            if start == 0 and req.sampling_params.prompt_logprobs is not None:   # complete once the first token is
+                out.prompt_logprobs = _wire(req.prompt_logprobs[1:])
+            outs.append(out)
             self.sent[req.uid] = start + len(new)
             self.generated_tokens += len(new)
             if finish is not None: self._done(req.uid)

@@ -41,18 +41,20 @@ class TokenizerWorker:
         self.tokenizer, self.chat_template, self.debug_hooks = tokenizer, chat_template, debug_hooks
         self.detoks: dict[tuple[str, int], Any] = {}   # (rid, choice) -> its IncrementalDetokenizer
         self.params: dict[str, SamplingParams] = {}
+        self.prompts: dict[str, tuple[list[int], str | None]] = {}   # rid -> its prompt ids, and its text if echoed
         self._token_strs: dict[int, str] = {}
         self._fail_next: int | None = None             # injected: the next request fails past this many tokens
         self._failing: dict[str, int] = {}             # injected: rid -> the tokens past which detokenizing it fails
         self.max_token_chars = max_token_chars(tokenizer)
         self.max_model_len: int | None = None          # from `ContextLength`; None: prompts are not bounded here
 
-    def chat_text(self, messages: list[dict]) -> str:
-        "A conversation as prompt text: the chat template, with the assistant's turn opened."
+    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+        "A conversation as prompt text: the chat template, with the assistant's turn opened, or the last message left open."
         if not all(isinstance(m, dict) and isinstance(m.get('role'), str) for m in messages):
             raise ValueError("messages: each message must be an object with a 'role'")
         conversation = [dict(m, content=_text_content(m.get('content'))) for m in messages]
-        return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message,
                                                   chat_template=self.chat_template)
 
     def too_long(self, text: str) -> str | None:
@@ -66,26 +68,32 @@ class TokenizerWorker:
         "Tokenize one request, or say why it cannot be; a text too long for the context is refused untokenized."
         param = 'messages' if msg.messages is not None else 'prompt'
         try:
-            text = self.chat_text(msg.messages) if msg.messages is not None else msg.prompt
+            if msg.messages is None: text = msg.prompt
+            else: text = self.chat_text(msg.messages, msg.add_generation_prompt, msg.continue_final_message)
             if text is not None and (why := self.too_long(text)): return error_from_value(msg.rid, ValueError(why))
             if text is None: ids = [int(t) for t in msg.prompt_ids or []]
             else: ids = self.tokenizer(text, add_special_tokens=msg.messages is None).input_ids
             sp = SamplingParams(**msg.params)
+            if sp.bad_words: sp.tokenize_bad_words(self.tokenizer)
         except Exception as e:   # template errors come as jinja2 or ValueError; all are the request's fault
             text = str(e)
             return ErrorOut(msg.rid, text if text.startswith(param) else f'{param}: {text}', 400, param)
         if not ids: return ErrorOut(msg.rid, f'{param}: the prompt is empty', 400, param)
         self.params[msg.rid] = sp
+        if msg.echo or sp.prompt_logprobs is not None:
+            self.prompts[msg.rid] = (ids, (msg.prompt if msg.prompt is not None else self.tokenizer.decode(ids)) if msg.echo else None)
         if self._fail_next is not None:
             self._failing[msg.rid], self._fail_next = self._fail_next, None
         for k in range(sp.n): self.detoks[(msg.rid, k)] = self._detokenizer(self.tokenizer, ids, sp)
-        return TokenizedReq(msg.rid, ids, msg.params)
+        params = dict(msg.params, bad_words_token_ids=[list(s) for s in sp.bad_words_token_ids]) if sp.bad_words else msg.params
+        return TokenizedReq(msg.rid, ids, params)
 
     def forget(self, rid: str, index: int = -1):
         "Drop the state of a request (or of one of its choices)."
         for key in [k for k in self.detoks if k[0] == rid and index in (-1, k[1])]: del self.detoks[key]
         if any(k[0] == rid for k in self.detoks): return
         self.params.pop(rid, None)
+        self.prompts.pop(rid, None)
         self._failing.pop(rid, None)
 
     def debug(self, msg: DebugReq):
@@ -124,6 +132,7 @@ class TokenizerWorker:
         if fail_past is not None and detok.num_tokens + len(t.token_ids) > fail_past:
             raise RuntimeError('a failure injected by a test (debug hooks)')
         finish, stop_reason = t.finish_reason, None
+        first = detok.num_tokens == 0
         text = detok.add(t.token_ids, final=finish is not None)
         if detok.stopped_by is not None: finish, stop_reason = 'stop', detok.stopped_by
         elif finish == 'stop' and t.token_ids and t.token_ids[-1] in self.params[t.rid].stop_token_ids:
@@ -132,7 +141,17 @@ class TokenizerWorker:
         if t.logprobs is not None:
             logprobs = [[token, self.token_str(token), logprob, [[i, self.token_str(i), lp] for i, lp in top]]
                         for token, (logprob, top) in zip(t.token_ids, t.logprobs)]
-        return TextOut(t.rid, t.index, text, t.token_ids, logprobs, finish, stop_reason, t.prompt_len, t.cached_len)
+        out = TextOut(t.rid, t.index, text, t.token_ids, logprobs, finish, stop_reason, t.prompt_len, t.cached_len)
+        if first and t.rid in self.prompts: self.add_prompt(out, t.prompt_logprobs)
+        return out
+
+    def add_prompt(self, out: TextOut, prompt_logprobs: list | None):
+        "Put the echoed prompt text and the prompt logprobs (with token strings) on a choice's first output."
+        ids, out.prompt_text = self.prompts[out.rid]
+        if prompt_logprobs is None: return
+        out.prompt_logprobs = [[ids[0], self.token_str(ids[0]), None, []]] + [
+            [token, self.token_str(token), logprob, [[i, self.token_str(i), lp] for i, lp in top]]
+            for token, (logprob, top) in zip(ids[1:], prompt_logprobs)]
 
 # %% ../../nbs/14c_tokenizer.ipynb #c3a7e3af
 def run_tokenizer_process(ready: Connection,        # says 'ready' (with its pid, `max_token_chars`) once listening
