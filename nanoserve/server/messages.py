@@ -50,6 +50,8 @@ class GenerateReq:
     prompt: str | None = None             # text to tokenize (completions)
     prompt_ids: list[int] | None = None   # token ids, used as they are
     messages: list[dict] | None = None    # a conversation, rendered with the chat template
+    tools: list[dict] | None = None       # the tools the chat template shows the model
+    grammar_field: str | None = None      # the request's field its structured outputs came from (a 400 names it)
 
 @message
 class AbortReq:
