@@ -13,7 +13,8 @@ from .req import Req, StructuredOutputsParams
 from .pages import to_device
 
 # %% auto #0
-__all__ = ['grammar_key', 'build_grammar', 'GrammarCompiler', 'GrammarState', 'apply_token_bitmask', 'constrain_logits']
+__all__ = ['grammar_key', 'build_grammar', 'GrammarCompiler', 'GrammarState', 'unpack_bitmask', 'apply_token_bitmask',
+           'constrain_logits']
 
 # %% ../nbs/09a_structured.ipynb #9a0c0006
 def _xgrammar():
@@ -118,13 +119,21 @@ class GrammarState:
             bitmask[row, token // 32] |= bit - (1 << 32 if bit >= 1 << 31 else 0)   # as a signed 32-bit word
 
 # %% ../nbs/09a_structured.ipynb #9a0c000f
+def unpack_bitmask(words: torch.Tensor,          # [R, ceil(V / 32)] int32
+                   vocab_size: int) -> torch.Tensor:
+    "The bitmask as `[R, vocab_size]` booleans, in torch ops on its device: True where the token is allowed."
+    shifts = torch.arange(32, device=words.device, dtype=torch.int32)
+    return ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+
 def apply_token_bitmask(logits: torch.Tensor,    # [B, V], changed in place
-                        bitmask: torch.Tensor,   # [R, ceil(V / 32)] int32 on the logits' device: bit j of a row = token j allowed
-                        rows: torch.Tensor):     # [R] the logits rows the bitmask's rows belong to
-    "Set to `-inf` the logits of the tokens each row's bitmask does not allow."
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((bitmask[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :logits.shape[-1]]
-    logits[rows] = logits[rows].masked_fill(~allowed, float('-inf'))
+                        bitmask: torch.Tensor,   # [B, ceil(V / 32)] int32: bit j of row i set = token j allowed in row i
+                        rows: Sequence[int]):    # the rows to mask
+    "Set to `-inf` the logits of `rows` whose tokens the bitmask does not allow."
+    if logits.device.type == 'cpu' and logits.dtype == torch.float32:   # xgrammar's C++ kernel: 20x faster on a CPU
+        return _xgrammar().apply_token_bitmask_inplace(logits, bitmask, indices=list(rows))
+    index = to_device(list(rows), logits.device, torch.int64)
+    allowed = unpack_bitmask(to_device(bitmask, logits.device)[index], logits.shape[-1])
+    logits[index] = logits[index].masked_fill(~allowed, float('-inf'))
 
 def constrain_logits(logits: torch.Tensor,                  # [B, V] the logits of the sampling requests, in place
                      reqs: Sequence[Req],                   # their requests, in row order (launched)
@@ -132,9 +141,9 @@ def constrain_logits(logits: torch.Tensor,                  # [B, V] the logits 
     "Mask the rows of the requests with a grammar to the tokens their grammar allows next."
     rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
     if not rows: return logits
-    bitmask = _xgrammar().allocate_token_bitmask(len(rows), logits.shape[-1])
-    for k, i in enumerate(rows):
+    bitmask = _xgrammar().allocate_token_bitmask(len(reqs), logits.shape[-1])   # every token allowed in every row
+    for i in rows:
         reqs[i].grammar.catch_up(reqs[i], token_pool)
-        reqs[i].grammar.fill(bitmask, k)
-    apply_token_bitmask(logits, to_device(bitmask, logits.device), to_device(rows, logits.device, torch.int64))
+        reqs[i].grammar.fill(bitmask, i)
+    apply_token_bitmask(logits, bitmask, rows)
     return logits
