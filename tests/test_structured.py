@@ -163,10 +163,26 @@ def test_tool_results_in_history_and_auto(client):
     r = client.chat.completions.create(model='tiny', messages=history, tools=[WEATHER], max_tokens=8, stream=True)
     assert [c for c in r if c.choices][-1].choices[0].finish_reason in ('stop', 'length', 'tool_calls')
 
+def test_tensor_parallel_grammar_on_rank_0(tmp_path):
+    "With TP 2, rank 0 samples under the grammar: the same tokens as TP 1, greedy and seeded, n=2."
+    from nanoserve.llm import LLM
+    from nanoserve.req import SamplingParams, StructuredOutputsParams
+    path = str(save_tiny_model(tmp_path / 'tiny', 'llama', tokenizer=True))
+    params = [SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=PERSON)),
+              SamplingParams(temperature=0.9, seed=2, n=2, max_tokens=64, structured_outputs={'regex': '[a-z]{2,5}-[0-9]{3}'})]
+    outs = {}
+    for tp in (1, 2):
+        with LLM(path, tensor_parallel_size=tp, device='cpu', page_size=4, num_pages=64) as llm:
+            outs[tp] = [[(c.token_ids, c.text) for c in o.outputs] for o in llm.generate(['The quick brown fox', 'Paris is'], params, use_tqdm=False)]
+    assert outs[1] == outs[2]
+    _person(outs[2][0][0][1])
+    assert all(re.fullmatch('[a-z]{2,5}-[0-9]{3}', text) for _, text in outs[2][1])
+
 # -- a real model ----------------------------------------------------------------------------------------------------
 @pytest.fixture(scope='module')
-def smol(tmp_path_factory):
-    with ServerProcess('smollm2', served_model_name='smollm2', device='cpu', enable_overlap=True) as s:
+def smol():
+    from nanoserve.checkpoints import resolve_model      # SmolLM2-135M-Instruct, converted once (chapter 14z)
+    with ServerProcess(str(resolve_model('smollm2')), served_model_name='smollm2', device='cpu', enable_overlap=True) as s:
         yield OpenAI(base_url=s.url + '/v1', api_key='unused', max_retries=0, timeout=300)
 
 @pytest.mark.slow
