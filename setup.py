@@ -33,7 +33,8 @@ setuptools.setup(
     packages=setuptools.find_packages(include=[cfg['lib_path'], cfg['lib_path'] + '.*']),
     include_package_data=True,
     install_requires=cfg.get('requirements', '').split(),
-    extras_require={'dev': cfg.get('dev_requirements', '').split(), 'ray': cfg.get('ray_requirements', '').split()},
+    extras_require={'dev': cfg.get('dev_requirements', '').split(), 'ray': cfg.get('ray_requirements', '').split(),
+                    'structured': cfg.get('structured_requirements', '').split()},
     python_requires='>=' + min_python,
     zip_safe=False,
     entry_points={

@@ -10,7 +10,7 @@ __all__ = []
 import importlib
 
 _PUBLIC = {'LLM': 'llm', 'RequestOutput': 'llm', 'CompletionOutput': 'llm', 'SamplingParams': 'req',
-           'EngineConfig': 'config', 'ModelConfig': 'config', 'Engine': 'engine'}
+           'StructuredOutputsParams': 'req', 'EngineConfig': 'config', 'ModelConfig': 'config', 'Engine': 'engine'}
 __all__ = list(_PUBLIC)
 
 def __getattr__(name: str):

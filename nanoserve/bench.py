@@ -13,22 +13,24 @@ from typing import Sequence
 import torch
 from .config import ENGINE_FLAGS, EngineConfig, ModelConfig, add_dataclass_flags, dataclass_kwargs
 from .model import resolve_model_path
-from .req import SamplingParams
+from .req import Req, SamplingParams, StructuredOutputsParams
 from .pages import PageAllocator, PageTable
 from .scheduler import FakeRunner, Scheduler
 from .metadata import build_metadata
 from .sampling import SamplingBatch
+from .structured import GrammarState, constrain_logits
 from .llm import make_engine
 from .checkpoints import resolve_model
 
 # %% auto #0
-__all__ = ['GPU_TARGETS', 'QWEN3_06B', 'Workload', 'random_workload', 'shared_prefix_workload', 'run_nanoserve', 'left_padded',
-           'greedy_config', 'run_transformers', 'load_transformers', 'matmul_rate', 'model_params', 'compare',
-           'environment', 'format_table', 'result_table', 'environment_line', 'decode_throughput',
+__all__ = ['GPU_TARGETS', 'PERSON_SCHEMA', 'QWEN3_06B', 'Workload', 'random_workload', 'shared_prefix_workload', 'run_nanoserve',
+           'left_padded', 'greedy_config', 'run_transformers', 'load_transformers', 'matmul_rate', 'model_params',
+           'compare', 'environment', 'format_table', 'result_table', 'environment_line', 'decode_throughput',
            'transformers_decode_throughput', 'decode_sweep', 'step_cost', 'scheduler_overhead', 'poisson_arrivals',
            'StreamResult', 'stream_completion', 'online_metrics', 'run_online', 'served_model', 'online_benchmark',
-           'ablations', 'plot_decode_sweep', 'longest_gap_stream', 'plot_stream_times', 'plot_ablations',
-           'qwen3_06b_dir', 'batch1_latency', 'gpu_benchmark', 'build_parser', 'main']
+           'ablations', 'mask_step_cost', 'structured_benchmark', 'plot_decode_sweep', 'longest_gap_stream',
+           'plot_stream_times', 'plot_ablations', 'qwen3_06b_dir', 'batch1_latency', 'gpu_benchmark', 'build_parser',
+           'main']
 
 # %% ../nbs/15_bench.ipynb #f895bf34
 @dataclass
@@ -45,9 +47,11 @@ class Workload:
     @property
     def output_tokens(self) -> int: return sum(self.output_lens)
 
-    def sampling_params(self, temperature: float = 0.0) -> list[SamplingParams]:
+    def sampling_params(self, temperature: float = 0.0,
+                        structured_outputs: StructuredOutputsParams | None = None) -> list[SamplingParams]:
         "One `SamplingParams` per request: exactly its output length, eos ignored."
-        return [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True) for n in self.output_lens]
+        return [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, structured_outputs=structured_outputs)
+                for n in self.output_lens]
 
     def __repr__(self):
         return f'Workload({self.name!r}: {self.num_requests} requests, {self.input_tokens} input and {self.output_tokens} output tokens)'
@@ -72,13 +76,14 @@ def shared_prefix_workload(num_groups: int = 8, per_group: int = 8, prefix_len: 
     return Workload('shared-prefix', prompts, [output_len] * len(prompts))
 
 # %% ../nbs/15_bench.ipynb #3058fc54
-def run_nanoserve(engine, workload: Workload, temperature: float = 0.0) -> dict:
+def run_nanoserve(engine, workload: Workload, temperature: float = 0.0,
+                  structured_outputs: StructuredOutputsParams | None = None) -> dict:   # every request's grammar, if any
     "Generate `workload` on a nanoserve engine: output tokens per second of wall time, prefill included; and the outputs."
     warm = [workload.prompts[0][0]] * 8            # shorter than a page: leaves nothing in the prefix cache
     engine.generate([warm], SamplingParams(max_tokens=2, ignore_eos=True))
     hits = engine.scheduler.prefix_hits
     start = time.perf_counter()
-    reqs = engine.generate(workload.prompts, workload.sampling_params(temperature))
+    reqs = engine.generate(workload.prompts, workload.sampling_params(temperature, structured_outputs))
     seconds = time.perf_counter() - start
     outputs = [r.output_ids for r in reqs]
     tokens = sum(map(len, outputs))
@@ -247,10 +252,21 @@ def _gpu_table(res: dict) -> str:
                      None, None))
     return res['device'] + '\n' + format_table(['measurement', 'value', 'target', ''], rows)
 
+def _structured_table(res: dict) -> str:
+    free, constrained, mask = res['free'], res['constrained'], res['mask']
+    rows = [('free text', free['output_tokens'], free['seconds'], free['tokens_per_s']),
+            ('JSON schema', constrained['output_tokens'], constrained['seconds'], constrained['tokens_per_s'])]
+    return (format_table(['requests', 'output tokens', 's', 'tok/s'], rows) +
+            f"\nconstrained / free: x{res['ratio']:.2f}; {res['json_tokens']} of {constrained['output_tokens']} constrained "
+            f"tokens inside the JSON (then the stop token)\nmasks of one step at batch {mask['batch_size']} (vocabulary "
+            f"{mask['vocab']:,}): p50 {mask['ms']['p50']:.2f} ms, mean {mask['ms']['mean']:.2f} ms; a free step takes "
+            f"{res['free_step_ms']:.1f} ms on average")
+
 def result_table(res: dict) -> str:
     "The table of a benchmark's result, as `nanoserve bench` prints it (and `--json` stores it)."
     tables = {'random': _compare_table, 'shared-prefix': _compare_table, 'decode': _sweep_table, 'ablations': _ablation_table,
-              'online': _latency_table, 'step-cost': _step_cost_table, 'scheduler': _scheduler_table, 'gpu': _gpu_table}
+              'online': _latency_table, 'step-cost': _step_cost_table, 'scheduler': _scheduler_table, 'gpu': _gpu_table,
+              'structured': _structured_table}
     return tables[res['benchmark']](res)
 
 def environment_line(env: dict) -> str:
@@ -481,6 +497,48 @@ def ablations(model: str, random_wl: Workload, shared_wl: Workload, **engine_kwa
     return dict(overlap=dict(workload=repr(random_wl), **overlap, gain=overlap['on'] / overlap['off']),
                 radix=dict(workload=repr(shared_wl), **radix, gain=radix['on'] / radix['off']))
 
+# %% ../nbs/15_bench.ipynb #15a50002
+def mask_step_cost(engine, so: StructuredOutputsParams, batch_size: int = 32, steps: int = 32) -> dict:
+    "Time `constrain_logits` over `steps` decode steps of `batch_size` requests constrained by `so` (greedy on random logits)."
+    vocab, device = engine.worker.vocab_size, engine.worker.device
+    compiled = engine.grammars.submit(so)
+    reqs = []
+    for i in range(batch_size):
+        req = Req(f'mask-{i}', [1], SamplingParams(max_tokens=steps + 1))
+        req.grammar = GrammarState(compiled)
+        reqs.append(req)
+    compiled.result()
+    generator = torch.Generator(device).manual_seed(0)
+    times = []
+    for _ in range(steps):
+        logits = torch.randn(batch_size, vocab, device=device, generator=generator)
+        for r in reqs: r.device_len = len(r.input_ids) + 1
+        _sync(device)
+        start = time.perf_counter()
+        constrain_logits(logits, reqs)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        for r, token in zip(reqs, logits.argmax(-1).tolist()): r.append_token(token)
+    return dict(batch_size=batch_size, steps=steps, vocab=vocab, ms=_stats_ms(times))
+
+def structured_benchmark(engine, workload: Workload, schema: dict, mask_steps: int = 32,
+                         repeats: int = 2) -> dict:   # free and constrained runs alternate; the faster of each is kept
+    "The same requests as free text and constrained to the JSON `schema`: throughputs, their ratio, and one step's mask cost."
+    so = StructuredOutputsParams(json=schema)
+    runs = [(run_nanoserve(engine, workload), run_nanoserve(engine, workload, structured_outputs=so)) for _ in range(repeats)]
+    free, constrained = (max(column, key=lambda run: run['tokens_per_s']) for column in zip(*runs))
+    eos = set(engine.model_config.eos_token_ids)
+    in_json = sum(next((k for k, t in enumerate(out) if t in eos), len(out)) for out in constrained['outputs'])
+    for run in (free, constrained): del run['outputs']
+    return dict(workload=repr(workload), schema=schema, repeats=repeats, free=free, constrained=constrained,
+                ratio=constrained['tokens_per_s'] / free['tokens_per_s'], json_tokens=in_json,
+                mask=mask_step_cost(engine, so, workload.num_requests, mask_steps),
+                free_step_ms=1e3 * free['seconds'] / max(workload.output_lens))
+
+PERSON_SCHEMA = {'type': 'object', 'properties': {
+    'name': {'type': 'string'}, 'age': {'type': 'integer'}, 'city': {'type': 'string'},
+    'tags': {'type': 'array', 'items': {'type': 'string'}}}, 'required': ['name', 'age', 'city', 'tags']}
+
 # %% ../nbs/15_bench.ipynb #c3dc5282
 def _figure():
     try: from matplotlib.figure import Figure
@@ -655,6 +713,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--decodes', type=int, default=8, help='decodes in every step (default: 8)')
     p.add_argument('--context', type=int, default=256, help="the decodes' context (default: 256)")
     p.add_argument('--repeats', type=int, default=3, help='steps timed per budget, the median kept (default: 3)')
+    p = command('structured', 'the same random requests as free text and constrained to a JSON schema; the masks of one step')
+    _model_args(p, peer=False)
+    _random_args(p, num_requests=32, output_len=(64, 64))
+    p.add_argument('--schema', help='a JSON schema file (default: a person with name, age, city and tags)')
     p = command('scheduler', 'host time per decode step with the fake runner (no model)')
     p.add_argument('--batch-size', type=int, default=256)
     p.add_argument('--steps', type=int, default=32)
@@ -678,15 +740,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ImportError as e: parser.error(f'--plot: {e}')
     if args.threads: torch.set_num_threads(args.threads); os.environ['OMP_NUM_THREADS'] = str(args.threads)   # (and the server's)
     res, kind = dict(benchmark=args.bench, argv=list(argv or sys.argv[1:]), environment=environment()), args.bench
-    if kind in ('random', 'shared-prefix', 'decode', 'ablations', 'online', 'step-cost'):
+    if kind in ('random', 'shared-prefix', 'decode', 'ablations', 'online', 'step-cost', 'structured'):
         engine_kwargs = dataclass_kwargs(args, _ENGINE_FLAGS)
         try: EngineConfig(model=args.model, **engine_kwargs)      # range errors first, before a model is converted or loaded
         except ValueError as e: parser.error(str(e))
         model = resolve_model(args.model, verbose=True)
         vocab = _vocab(model)
-    if kind in ('random', 'shared-prefix', 'decode', 'step-cost'):
+    if kind in ('random', 'shared-prefix', 'decode', 'step-cost', 'structured'):
         engine = make_engine(EngineConfig(model=model, **engine_kwargs))
-        peer = None if kind == 'step-cost' or args.no_peer else load_transformers(model, engine.worker.dtype)
+        peer = None if kind in ('step-cost', 'structured') or args.no_peer else load_transformers(model, engine.worker.dtype)
     if kind == 'random':
         wl = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
         res.update(compare(engine, peer, wl))
@@ -707,6 +769,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plot: plot_stream_times({f"{run['rate']}/s": run for run in res['runs']}, args.plot)
     elif kind == 'step-cost':
         res.update(step_cost(engine, args.budgets, args.decodes, args.context, args.repeats, vocab, args.seed))
+    elif kind == 'structured':
+        wl = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
+        schema = json.loads(Path(args.schema).read_text()) if args.schema else PERSON_SCHEMA
+        res.update(structured_benchmark(engine, wl, schema))
     elif kind == 'scheduler':
         res.update(scheduler_overhead(args.batch_size, args.steps, args.prompt_len, seed=args.seed))
     else:

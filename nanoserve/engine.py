@@ -16,6 +16,7 @@ from .scheduler import ModelRunner, Scheduler, StepOutput
 from .model import load_model, resolve_model_path
 from .metadata import ATTENTION_BACKENDS, AttentionBackend, GraphRunner, build_metadata, make_attention_backend
 from .sampling import PromptLogprobs, SampleOutput, Sampler, SamplingBatch
+from .structured import GrammarCompiler, GrammarState, constrain_logits
 
 # %% auto #0
 __all__ = ['local_kv_heads', 'kv_bytes_per_page', 'num_kv_pages', 'step_output', 'run_step', 'host_zeros', 'make_backend',
@@ -142,8 +143,9 @@ class Worker:
         reqs = [batch.reqs[i] for i in batch.sample_rows]
         out = SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device), [])
         if reqs:
+            sample_logits = constrain_logits(logits[:len(reqs)], reqs, self.table.tokens)   # grammar rows: allowed tokens only
             params = SamplingBatch.from_reqs(reqs, logits.shape[-1], self.device, self.model_config.eos_token_ids, self.table.tokens)
-            out = self.sampler.sample(logits[:len(reqs)], params)
+            out = self.sampler.sample(sample_logits, params)
             self.write_tokens(batch, out.tokens)
         if len(logits) > len(reqs): out.prompt = self.score_prompts(batch, logits[len(reqs):])
         return out
@@ -179,13 +181,27 @@ class Engine:
         self.max_model_len = self.scheduler.max_model_len
 
     def add_request(self, uid, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Req:
-        "Queue a request; `ValueError` if it can never run."
+        "Queue a request; `ValueError` if it can never run (or its grammar is invalid)."
         prompt_ids = [int(t) for t in prompt_ids]
+        params = params or SamplingParams()
         bad = [t for t in prompt_ids if not 0 <= t < self.worker.vocab_size]
         if bad: raise ValueError(f'prompt: token id {bad[0]} is out of range for the vocabulary (size {self.worker.vocab_size})')
-        params = params or SamplingParams()
         params.check_vocab(self.worker.vocab_size)
-        return self.scheduler.add_request(uid, prompt_ids, params)
+        so = params.structured_outputs
+        compiled = self.grammars.submit(so) if so is not None else None   # compiles in the background (chapter 09a)
+        req = self.scheduler.add_request(uid, prompt_ids, params)
+        if compiled is not None: req.grammar = GrammarState(compiled)
+        return req
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        "The grammar compiler, made for the first request with structured outputs."
+        if getattr(self, '_grammars', None) is None:
+            from transformers import AutoTokenizer
+            path = self.worker.path
+            self._grammars = GrammarCompiler(lambda: AutoTokenizer.from_pretrained(path), self.worker.vocab_size,
+                                             self.model_config.eos_token_ids)
+        return self._grammars
 
     def abort(self, uid) -> Req | None: return self.scheduler.abort(uid)
 
@@ -209,6 +225,7 @@ class Engine:
     def close(self):
         "Give back what the engine holds: its requests, and (chapter 12) its ranks; memory goes with the engine."
         for uid in list(self.scheduler.reqs): self.abort(uid)
+        if getattr(self, '_grammars', None) is not None: self._grammars.close()
 
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()

@@ -176,6 +176,7 @@ class LLM:
         max_tokens = sp.max_tokens if sp.max_tokens is not None else self.engine.max_model_len - len(ids)
         err = admission_error(len(ids), max(max_tokens, 1), self.engine.max_model_len, self.engine.scheduler.capacity)
         if err: raise ValueError(err)
+        if sp.structured_outputs is not None: self.engine.grammars.submit(sp.structured_outputs)   # a bad grammar: now
 
     def _run(self, prompts, params, use_tqdm) -> list[RequestOutput]:
         seqs: list[list[_Seq]] = []

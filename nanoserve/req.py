@@ -9,7 +9,7 @@ from enum import Enum
 from typing import Any, Literal, Sequence
 
 # %% auto #0
-__all__ = ['MAX_LOGPROBS', 'MAX_LOGIT_BIAS', 'SamplingParams', 'FinishReason', 'Req', 'Batch']
+__all__ = ['MAX_LOGPROBS', 'MAX_LOGIT_BIAS', 'SamplingParams', 'StructuredOutputsParams', 'FinishReason', 'Req', 'Batch']
 
 # %% ../nbs/01_req.ipynb #c806af3b
 MAX_LOGPROBS = 20  # the most top-logprobs a request may ask for (vLLM's default bound)
@@ -62,6 +62,7 @@ class SamplingParams:
     allowed_token_ids: Sequence[int] | None = None  # sample only among these token ids
     bad_words: Sequence[str] | None = None          # words never generated (tokenized by `tokenize_bad_words`)
     bad_words_token_ids: Sequence[Sequence[int]] | None = None  # their token ids: the last is banned after the rest
+    structured_outputs: StructuredOutputsParams | dict | None = None   # constrain the output to a grammar (chapter 09a)
 
     def __post_init__(self):
         def bad(name, why): raise ValueError(f'{name} {why}, got {getattr(self, name)!r}')
@@ -98,6 +99,11 @@ class SamplingParams:
         if isinstance(seqs, (str, int)) or not all(isinstance(s, (list, tuple)) and s for s in seqs):
             bad('bad_words_token_ids', 'must be a list of non-empty token-id lists')
         self.bad_words_token_ids = tuple(_ids(s, 'bad_words_token_ids') for s in seqs)
+        if isinstance(self.structured_outputs, dict):   # as the server's processes carry it
+            try: self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e: raise ValueError(f'structured_outputs: {e}') from None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad('structured_outputs', 'must be a StructuredOutputsParams')
         if self.temperature < _GREEDY_EPS:  # greedy: the other sampling knobs mean nothing
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, -1, 0.0
 
@@ -125,6 +131,37 @@ class SamplingParams:
         if self.n == 1: return [self]
         return [replace(self, n=1, seed=None if self.seed is None else self.seed + k) for k in range(self.n)]
 
+# %% ../nbs/01_req.ipynb #5a0c1e02
+_STRUCTURED_KINDS = ('json', 'regex', 'choice', 'grammar', 'json_object')
+
+@dataclass
+class StructuredOutputsParams:
+    "Which grammar the output must follow: exactly one of the fields, as in vLLM."
+    json: dict | str | None = None      # a JSON schema (a dict, or its text)
+    regex: str | None = None            # a regular expression the whole output matches
+    choice: Sequence[str] | None = None # the output is one of these strings
+    grammar: str | None = None          # an EBNF grammar (xgrammar's dialect: `root ::= ...`)
+    json_object: bool = False           # any JSON object
+
+    def __post_init__(self):
+        given = [k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f'structured_outputs must set exactly one of {", ".join(_STRUCTURED_KINDS)}, got {given or "none"}')
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f'structured_outputs: json must be a JSON schema (an object or its text), got {self.json!r}')
+        for name in ('regex', 'grammar'):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f'structured_outputs: {name} must be a string, got {getattr(self, name)!r}')
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f'structured_outputs: choice must be a non-empty list of strings, got {self.choice!r}')
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        "The one field that is set."
+        return next(k for k in _STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
 # %% ../nbs/01_req.ipynb #4dd47a66
 class FinishReason(str, Enum):
     "Why a request ended, in OpenAI's words."
@@ -148,6 +185,7 @@ class Req:
     output_logprobs: list = field(default_factory=list)  # per output token, when sampling_params.logprobs is set
     num_cached_tokens: int = 0           # prompt tokens found in the prefix cache when first admitted
     prompt_logprobs: list = field(default_factory=list)  # per prompt token (the first: None), when sampling_params asks
+    grammar: Any = None                  # the matcher of a request with structured outputs (chapter 09a)
     prompt_len: int = field(init=False)
 
     def __post_init__(self):
@@ -200,6 +238,11 @@ class Req:
         have = len(self.prompt_logprobs)
         assert have >= start + 1, f'req {self.uid}: prompt logprobs from token {start + 1}, but only {have} known'
         self.prompt_logprobs.extend(entries[have - start - 1:])
+
+    @property
+    def waiting_for_grammar(self) -> bool:
+        "Whether the request's grammar is still compiling: it is not admitted until it is ready."
+        return self.grammar is not None and not self.grammar.ready
 
     def advance(self, n: int) -> bool:
         "At launch: KV for the next `n` positions is being computed. Returns whether this step samples a token."

@@ -67,6 +67,11 @@ def _scheduler_detail(res: dict) -> str:
     scheduler, worker = res['scheduler_ms'], res['worker_host_ms']
     return f"p50 {scheduler['p50']:.2f} ms; the worker's host work adds {worker['mean']:.2f} ms"
 
+def _structured_detail(res: dict) -> str:
+    mask = res['mask']
+    return (f"{res['constrained']['tokens_per_s']:,.0f} vs {res['free']['tokens_per_s']:,.0f} tok/s; masks "
+            f"{mask['ms']['p50']:.2f} ms per step at batch {mask['batch_size']} (a free step: {res['free_step_ms']:.0f} ms)")
+
 TARGETS = (
     Target('random, 64 requests: nanoserve / transformers', 'random',
            lambda r: r['ratio'], 2.5, False, 'x{:.2f}', _side_by_side),
@@ -80,6 +85,8 @@ TARGETS = (
            lambda r: _itl(r)['p99'] / _itl(r)['p50'], 5.0, True, '{:.1f}', _stream_detail),
     Target('overload: the longest wait between two tokens', 'online-overload',
            lambda r: _itl(r)['max'] / 1e3, 1.5, True, '{:.2f} s', _stream_detail),
+    Target('JSON schema / free text, 32 requests: throughput', 'structured',
+           lambda r: r['ratio'], 0.8, False, 'x{:.2f}', _structured_detail),
 )
 
 TARGET_HEADER = ('target', 'measured', 'bound', 'status', 'figures behind it', 'stored result', 'run on')

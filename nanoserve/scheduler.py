@@ -183,6 +183,9 @@ class Scheduler:
         deferred, windows = [], set()
         while self.waiting and budget.token_budget > 0:
             req = self.waiting[0]
+            if req.waiting_for_grammar:                   # its grammar still compiles (chapter 09a): the rest go ahead
+                deferred.append(self.waiting.popleft())
+                continue
             node, hit = self._match(req)
             window = self._uncached_window(req)
             budget.available_pages = self._available_pages()   # live: its own match is locked now

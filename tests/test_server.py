@@ -257,7 +257,7 @@ BAD = [  # (endpoint, body changes, status, param or None, words in the message)
     ('chat/completions', {'logprobs': True, 'top_logprobs': 25}, 400, 'top_logprobs', 'top_logprobs'),
     ('chat/completions', {'max_completion_tokens': -1}, 400, 'max_completion_tokens', 'max_completion_tokens'),
     ('chat/completions', {'temperature': 'hot'}, 400, 'temperature', ''),
-    ('chat/completions', {'tools': [{'type': 'function', 'function': {'name': 'f'}}]}, 400, 'tools', 'not supported'),
+    ('chat/completions', {'tools': [{'type': 'function', 'function': {'name': ''}}]}, 400, 'tools', 'tools'),
     ('chat/completions', {'model': 'other', 'stream': True}, 404, 'model', 'does not exist'),
     ('completions', {'temperature': 5, 'stream': True, 'top_p': 1.5}, 400, 'top_p', 'top_p'),
 ]

@@ -19,8 +19,8 @@ from ..processes import exit_words
 from .messages import (
     AbortReq, ContextLength, DebugReq, ErrorOut, GenerateReq, ReplyOut, TextOut, decode, encode, log, open_socket)
 from .protocol import (
-    MAX_PROMPTS, SSE_DONE, ApiError, ChatCompletionRequest, Choice, CompletionRequest, ResponseFormat, encode_request,
-    sampling_params_from, sse, usage_dict, validation_error)
+    MAX_PROMPTS, SSE_DONE, ApiError, ChatCompletionRequest, Choice, CompletionRequest, ResponseFormat, ToolCallStream,
+    ToolCalling, encode_request, sampling_params_from, sse, structured_outputs_from, usage_dict, validation_error)
 if TYPE_CHECKING: from nanoserve.server.launch import Workers
 
 # %% auto #0
@@ -438,13 +438,16 @@ class _EventStream(StreamingResponse):
             self.on_close()
             await self.body_iterator.aclose()
 
-async def _events(first: TextOut, gen: Generation, fmt: ResponseFormat, num_choices: int) -> AsyncIterator[str]:
+async def _events(first: TextOut, gen: Generation, fmt: ResponseFormat, num_choices: int,
+                  calls: ToolCallStream | None = None) -> AsyncIterator[str]:   # a chat reply that may call tools
     if fmt.kind == 'chat':
         for i in range(num_choices): yield sse(fmt.role_chunk(i))
     item, sent = first, 0
     while True:
         sent += 0 if fmt.echo_only else len(item.token_ids)        # completion tokens so far (continuous usage)
-        if item.text or item.finish_reason is not None or item.logprobs or item.prompt_text or item.prompt_logprobs:
+        if calls is not None:
+            for chunk in calls.chunks(item, fmt): yield sse(chunk)
+        elif item.text or item.finish_reason is not None or item.logprobs or item.prompt_text or item.prompt_logprobs:
             yield sse(fmt.chunk(item, gen.usage(sent)))              # held-back text (maybe a stop string) waits
         if gen.finished: break
         try: item = await gen.next()
@@ -513,7 +516,8 @@ def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_byte
             if msg is not None: frontend.send(msg)
             return {'sent': asdict(msg) if msg else None, 'watchdog_timeout': frontend.watchdog_timeout}
 
-    async def run(request: Request, body, reqs: list[GenerateReq], sp: SamplingParams, kind: str):
+    async def run(request: Request, body, reqs: list[GenerateReq], sp: SamplingParams, kind: str,
+                  tools: ToolCalling | None = None):
         want_logprobs = body.logprobs if kind == 'chat' else body.logprobs is not None
         options = body.stream_options
         last = body.messages[-1] if kind == 'chat' and body.messages else {}
@@ -533,35 +537,49 @@ def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_byte
             gen.close()
             raise
         if body.stream:
-            return _EventStream(_events(first, gen, fmt, len(reqs) * sp.n), gen.close)
+            calls = ToolCallStream(tools) if tools is not None and tools.active else None
+            return _EventStream(_events(first, gen, fmt, len(reqs) * sp.n, calls), gen.close)
         try: items = [first] + await unless_disconnected(request, gen.rest())
         except ClientDisconnected: return Response(status_code=499)
         finally: gen.close()
         choices = [Choice(i) for i in range(len(reqs) * sp.n)]
         for item in items: choices[item.index].add(item)
-        return fmt.response(choices, gen.usage(0) if fmt.echo_only else gen.usage())
+        response = fmt.response(choices, gen.usage(0) if fmt.echo_only else gen.usage())
+        if tools is not None and tools.active:
+            for choice in response['choices']: tools.answer(choice)
+        return response
 
     @app.post('/v1/completions')
     async def completions(body: CompletionRequest, request: Request):
         frontend.check_model(body.model)
-        sp = sampling_params_from(body)
+        structured, grammar_field = structured_outputs_from(body)
+        sp = sampling_params_from(body, structured)
         prompt = body.prompt
         prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
         if not prompts: raise ApiError(400, 'prompt: the prompt is empty', 'prompt')
         if len(prompts) > MAX_PROMPTS:
             raise ApiError(400, f'prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}', 'prompt')
         params = asdict(sp)
-        reqs = [GenerateReq(f'cmpl-{uuid.uuid4().hex}', params, prompt=q, echo=body.echo) if isinstance(q, str)
-                else GenerateReq(f'cmpl-{uuid.uuid4().hex}', params, prompt_ids=q, echo=body.echo) for q in prompts]
+        reqs = [GenerateReq(f'cmpl-{uuid.uuid4().hex}', params, prompt=q, echo=body.echo, grammar_field=grammar_field)
+                if isinstance(q, str) else
+                GenerateReq(f'cmpl-{uuid.uuid4().hex}', params, prompt_ids=q, echo=body.echo, grammar_field=grammar_field)
+                for q in prompts]
         return await run(request, body, reqs, sp, 'completion')
 
     @app.post('/v1/chat/completions')
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         frontend.check_model(body.model)
-        sp = sampling_params_from(body)
+        tools = ToolCalling(body.tools, body.tool_choice, body.parallel_tool_calls)
+        structured, grammar_field = structured_outputs_from(body)
+        if tools.structured_outputs() is not None:     # `required` or a named function: a grammar makes the call
+            if structured is not None:
+                raise ApiError(400, f'{grammar_field} cannot be combined with tool_choice {tools.choice!r}', grammar_field)
+            structured, grammar_field = tools.structured_outputs(), 'tool_choice'
+        sp = sampling_params_from(body, structured)
         if not body.messages: raise ApiError(400, 'messages: at least one message is required', 'messages')
-        req = GenerateReq(f'chat-{uuid.uuid4().hex}', asdict(sp), messages=body.messages,
-                          add_generation_prompt=body.add_generation_prompt, continue_final_message=body.continue_final_message)
-        return await run(request, body, [req], sp, 'chat')
+        req = GenerateReq(f'chat-{uuid.uuid4().hex}', asdict(sp), messages=body.messages, tools=tools.template_tools,
+                          grammar_field=grammar_field, add_generation_prompt=body.add_generation_prompt,
+                          continue_final_message=body.continue_final_message)
+        return await run(request, body, [req], sp, 'chat', tools)
 
     return app

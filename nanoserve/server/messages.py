@@ -53,6 +53,8 @@ class GenerateReq:
     add_generation_prompt: bool = True    # chat: open the assistant's turn after the messages
     continue_final_message: bool = False  # chat: leave the last message open, to be continued
     echo: bool = False                    # send the prompt's text back with the first output of each choice
+    tools: list[dict] | None = None       # the tools the chat template shows the model
+    grammar_field: str | None = None      # the request's field its structured outputs came from (a 400 names it)
 
 @message
 class AbortReq:

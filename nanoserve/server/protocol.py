@@ -4,20 +4,20 @@
 
 # %% ../../nbs/14b_protocol.ipynb #c3b0d004
 from __future__ import annotations
-import json, time, uuid
+import copy, json, re, time, uuid
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
-from ..req import SamplingParams
+from ..req import SamplingParams, StructuredOutputsParams
 from .messages import ErrorOut, GenerateReq, TextOut, encode
 
 # %% auto #0
-__all__ = ['CONTEXT_ERROR', 'IGNORED_FIELDS', 'MAX_N', 'MAX_PROMPTS', 'MAX_STOP', 'MAX_STOP_CHARS', 'MAX_LOGIT_BIAS', 'SSE_DONE',
-           'ApiError', 'error_from_value', 'StreamOptions', 'CompletionRequest', 'ChatCompletionRequest',
-           'sampling_params_from', 'validation_error', 'encode_request', 'sse', 'Choice', 'ResponseFormat',
-           'usage_dict']
+__all__ = ['CONTEXT_ERROR', 'IGNORED_FIELDS', 'MAX_N', 'MAX_PROMPTS', 'MAX_STOP', 'MAX_STOP_CHARS', 'MAX_LOGIT_BIAS', 'MAX_TOOLS',
+           'SSE_DONE', 'ApiError', 'error_from_value', 'StreamOptions', 'CompletionRequest', 'ChatCompletionRequest',
+           'sampling_params_from', 'structured_outputs_from', 'ToolCalling', 'ToolCallStream', 'validation_error',
+           'encode_request', 'sse', 'Choice', 'ResponseFormat', 'usage_dict']
 
 # %% ../../nbs/14b_protocol.ipynb #9a9747ae
 class ApiError(Exception):
@@ -80,6 +80,12 @@ class _SamplingRequest(BaseModel):
     prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    response_format: dict | None = None        # {'type': 'text' | 'json_object' | 'json_schema', ...}
+    structured_outputs: dict | None = None     # vLLM's: one of json, regex, choice, grammar, json_object
+    guided_json: dict | str | None = None      # vLLM's older names for the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 class CompletionRequest(_SamplingRequest):
     "The body of `POST /v1/completions`."
@@ -102,7 +108,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list | None = None
     tool_choice: Any = None
-    response_format: dict | None = None
+    parallel_tool_calls: bool = True
     # vLLM extensions
     echo: bool = False                     # the reply starts with the last message's content, if it is the assistant's
     add_generation_prompt: bool = True     # open the assistant's turn after the messages
@@ -117,9 +123,6 @@ def _refuse_unsupported(body: _SamplingRequest):
     unsupported = [(name, True) for name in body.model_extra or {} if name not in IGNORED_FIELDS]
     if isinstance(body, CompletionRequest):
         unsupported += [('suffix', body.suffix is not None), ('best_of', body.best_of not in (None, body.n))]
-    else:
-        unsupported += [('tools', bool(body.tools)), ('tool_choice', body.tool_choice not in (None, 'none')),
-                        ('response_format', (body.response_format or {}).get('type', 'text') != 'text')]
     for name, used in unsupported:
         if used: raise ApiError(400, f'{name} is not supported by this server', name)
     if isinstance(body, ChatCompletionRequest) and body.continue_final_message and body.add_generation_prompt:
@@ -138,7 +141,9 @@ def _refuse_oversized(body: _SamplingRequest):
     if longest > MAX_STOP_CHARS:
         raise ApiError(400, f'stop strings must have at most {MAX_STOP_CHARS} characters, got {longest}', 'stop')
 
-def sampling_params_from(body: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+def sampling_params_from(body: CompletionRequest | ChatCompletionRequest,
+                         structured_outputs: StructuredOutputsParams | None = None,  # from `structured_outputs_from`
+                        ) -> SamplingParams:
     "The request's `SamplingParams`; `ApiError` 400 naming the field for a bad or unsupported value."
     _refuse_unsupported(body)
     _refuse_oversized(body)
@@ -168,12 +173,181 @@ def sampling_params_from(body: CompletionRequest | ChatCompletionRequest) -> Sam
             max_tokens=max_tokens, min_tokens=body.min_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids,
             ignore_eos=body.ignore_eos, seed=body.seed, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output, prompt_logprobs=prompt_logprobs,
-            logit_bias=body.logit_bias, allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words)
+            logit_bias=body.logit_bias, allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
+            structured_outputs=structured_outputs)
     except ValueError as e:
         error = error_from_value('', e)
         param, message = renamed.get(error.param, error.param), error.message
         if param != error.param: message = param + message[len(error.param):]     # the request's name for the field
         raise ApiError(400, message, param) from None
+
+# %% ../../nbs/14b_protocol.ipynb #14b50001
+_GUIDED = {'guided_json': 'json', 'guided_regex': 'regex', 'guided_choice': 'choice', 'guided_grammar': 'grammar'}
+
+def _response_format(value: dict) -> dict | None:
+    "`response_format` as `StructuredOutputsParams` fields; None for plain text."
+    kind = value.get('type', 'text') if isinstance(value, dict) else None
+    if kind == 'text': return None
+    if kind == 'json_object': return {'json_object': True}
+    if kind == 'json_schema':
+        spec = value.get('json_schema')
+        if not isinstance(spec, dict) or not isinstance(spec.get('schema', {}), dict):
+            raise ValueError('response_format: json_schema must be an object whose schema is a JSON schema object')
+        return {'json': spec.get('schema') or {'type': 'object'}}
+    raise ValueError(f"response_format: type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+def structured_outputs_from(body: CompletionRequest | ChatCompletionRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+    "The grammar the request asks for, and the field it came from; `ApiError` 400 naming the field if it is malformed."
+    given = [name for name in ('response_format', 'structured_outputs', *_GUIDED) if getattr(body, name) is not None]
+    if len(given) > 1: raise ApiError(400, f'only one of {", ".join(given)} may be given', given[1])
+    if not given: return None, None
+    name, value = given[0], getattr(body, given[0])
+    try:
+        if name == 'response_format': fields_ = _response_format(value)
+        elif name == 'structured_outputs': fields_ = dict(value)
+        else: fields_ = {_GUIDED[name]: value}
+        return (StructuredOutputsParams(**fields_) if fields_ is not None else None), name
+    except (TypeError, ValueError) as e:
+        message = str(e).removeprefix('structured_outputs: ').removeprefix('response_format: ')
+        raise ApiError(400, f'{name}: {message}', name) from None
+
+# %% ../../nbs/14b_protocol.ipynb #14b50004
+MAX_TOOLS = 128        # tools per request: each is rendered into the prompt and may become a branch of a grammar
+
+_CALL_TAG = re.compile(r'<tool_call>(.*?)(?:</tool_call>|$)', re.S)
+
+def _call_objects(text: str) -> list | None:
+    "The JSON values in `text`: one, a list, or several joined by ';'; None if it is not JSON."
+    text = text.strip().removeprefix('<|python_tag|>').strip()
+    for candidate in (text, '[' + text.replace(';', ',') + ']'):
+        try: value = json.loads(candidate)
+        except ValueError: continue
+        return value if isinstance(value, list) else [value]
+    return None
+
+class ToolCalling:
+    "A chat request's `tools` and `tool_choice`, checked: the grammar that enforces them, and the calls in a reply."
+    def __init__(self, tools: list | None, tool_choice: Any = None,
+                 parallel: bool = True):     # `parallel_tool_calls`: false allows one call at most
+        self.tools, self.choice, self.parallel = self._checked_tools(tools), tool_choice, parallel
+        if tool_choice is None: self.choice = 'auto' if self.tools else 'none'
+        self.named = None       # the function `tool_choice` names
+        if isinstance(self.choice, dict):
+            function = self.choice.get('function') if self.choice.get('type') == 'function' else None
+            self.named = function.get('name') if isinstance(function, dict) else None
+            if self.named not in self.schemas:
+                raise ApiError(400, f'tool_choice: names no function of tools, got {tool_choice!r}', 'tool_choice')
+        elif self.choice not in ('none', 'auto', 'required'):
+            raise ApiError(400, f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}",
+                           'tool_choice')
+        elif self.choice != 'none' and not self.tools:
+            raise ApiError(400, f'tool_choice: {self.choice!r} needs tools', 'tool_choice')
+
+    def _checked_tools(self, tools) -> list[dict]:
+        if tools is None: return []
+        if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+            raise ApiError(400, f'tools must be a list of at most {MAX_TOOLS} tools', 'tools')
+        self.schemas = {}         # name -> its parameters' schema
+        for tool in tools:
+            function = tool.get('function') if isinstance(tool, dict) and tool.get('type') == 'function' else None
+            if not isinstance(function, dict) or not isinstance(function.get('name'), str) or not function['name']:
+                raise ApiError(400, f'tools: each tool must be {{"type": "function", "function": {{"name": ...}}}}, '
+                                    f'got {tool!r}', 'tools')
+            parameters = function.get('parameters', {'type': 'object'})
+            if not isinstance(parameters, dict): raise ApiError(400, 'tools: parameters must be a JSON schema object', 'tools')
+            self.schemas[function['name']] = parameters
+        return tools
+
+    @property
+    def active(self) -> bool:
+        "Whether the reply may hold tool calls."
+        return self.choice != 'none'
+
+    @property
+    def template_tools(self) -> list[dict] | None:
+        "The tools the chat template shows the model (none when it may not call them)."
+        return self.tools if self.active else None
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        "The grammar that enforces `required` or a named function; None for `auto` and `none`."
+        if self.named is not None: return StructuredOutputsParams(json=self.schemas[self.named])
+        if self.choice != 'required': return None
+        calls = [{'type': 'object', 'properties': {'name': {'enum': [name]}, 'arguments': schema},
+                  'required': ['name', 'arguments']} for name, schema in self.schemas.items()]
+        array = {'type': 'array', 'minItems': 1, 'items': {'anyOf': calls}}
+        return StructuredOutputsParams(json=array if self.parallel else {**array, 'maxItems': 1})
+
+    def _call(self, name: str, arguments) -> dict:
+        arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        return {'id': f'call_{uuid.uuid4().hex[:24]}', 'type': 'function', 'function': {'name': name, 'arguments': arguments}}
+
+    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+        "The reply's text less its tool calls (None if nothing is left), and the calls."
+        if not self.active: return text, []
+        if self.named is not None:
+            return (None, [self._call(self.named, text)]) if _call_objects(text) is not None else (text, [])
+        tagged = _CALL_TAG.findall(text)
+        values = [v for block in tagged for v in (_call_objects(block) or [])] if tagged else _call_objects(text) or []
+        calls = [self._call(v['name'], v.get('arguments', v.get('parameters', {}))) for v in values
+                 if isinstance(v, dict) and v.get('name') in self.schemas]
+        if not calls: return text, []
+        rest = _CALL_TAG.sub('', text).strip() if tagged else ''
+        return rest or None, calls
+
+    def answer(self, choice: dict):
+        "Rewrite a chat response's choice: its calls into `message.tool_calls`, its finish reason `tool_calls` if any."
+        content, calls = self.parse(choice['message']['content'])
+        if not calls: return
+        choice['message'].update(content=content, tool_calls=calls)
+        if choice['finish_reason'] == 'stop': choice['finish_reason'] = 'tool_calls'
+
+# %% ../../nbs/14b_protocol.ipynb #14b50007
+_CALL_OPENERS = ('<tool_call>', '<|python_tag|>', '{', '[')
+
+class ToolCallStream:
+    "Per choice of a streamed chat reply: text held back while it may be a tool call, then content or call deltas."
+    def __init__(self, tools: ToolCalling):
+        self.tools = tools
+        self.held: dict[int, str] = {}      # choice -> text held back
+        self.streaming: set[int] = set()    # choices known to be plain text
+
+    def _may_be_call(self, text: str) -> bool:
+        text = text.lstrip()
+        if self.tools.choice != 'auto': return True
+        return not text or any(text.startswith(o) or o.startswith(text) for o in _CALL_OPENERS)
+
+    def deltas(self, index: int, text: str, finished: bool) -> tuple[list[dict], bool]:
+        "The chat deltas for a choice's new `text`, and whether the choice called a tool (known once `finished`)."
+        if index in self.streaming: return ([{'content': text}] if text else []), False
+        held = self.held.get(index, '') + text
+        if not finished:
+            if self._may_be_call(held):
+                self.held[index] = held
+                return [], False
+            self.streaming.add(index)
+            return [{'content': held}], False
+        self.held.pop(index, None)
+        content, calls = self.tools.parse(held)
+        out = [{'content': content}] if content else []
+        for k, call in enumerate(calls):
+            head = {'index': k, 'id': call['id'], 'type': 'function', 'function': {'name': call['function']['name'], 'arguments': ''}}
+            out += [{'tool_calls': [head]}, {'tool_calls': [{'index': k, 'function': {'arguments': call['function']['arguments']}}]}]
+        return out, bool(calls)
+
+    def chunks(self, out: TextOut, fmt: ResponseFormat) -> list[dict]:
+        "The chat chunks for one `TextOut` of the reply: its deltas, then, if it finished, the finish reason."
+        deltas, called = self.deltas(out.index, out.text, out.finish_reason is not None)
+        last = fmt.chunk(out)           # the chunk it would have been: its head, finish reason and logprobs
+        chunks = []
+        for delta in deltas:
+            chunk = copy.deepcopy(last)
+            chunk['choices'][0].update(delta=delta, finish_reason=None, logprobs=None)
+            chunk['choices'][0].pop('stop_reason', None)
+            chunks.append(chunk)
+        if out.finish_reason is None: return chunks
+        last['choices'][0]['delta'] = {}
+        if called and out.finish_reason == 'stop': last['choices'][0]['finish_reason'] = 'tool_calls'
+        return chunks + [last]
 
 # %% ../../nbs/14b_protocol.ipynb #c3b0d007
 def validation_error(exc: RequestValidationError) -> ApiError:

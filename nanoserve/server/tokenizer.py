@@ -4,7 +4,7 @@
 
 # %% ../../nbs/14c_tokenizer.ipynb #d4c0e004
 from __future__ import annotations
-import os, traceback
+import json, os, traceback
 from multiprocessing.connection import Connection
 from typing import Any
 import zmq
@@ -25,6 +25,23 @@ def _text_content(content) -> str:
     if isinstance(content, list) and all(isinstance(p, dict) and p.get('type') == 'text' for p in content):
         return '\n'.join(str(p.get('text', '')) for p in content)
     raise ValueError('messages: only text content is supported')
+
+def _calls_as_objects(message: dict) -> dict:
+    "An assistant message's `tool_calls` with their JSON `arguments` as objects, as chat templates expect them."
+    calls = message.get('tool_calls')
+    if not isinstance(calls, list): return {}
+    def parsed(arguments):
+        try: return json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError: return arguments
+    return {'tool_calls': [dict(c, function=dict(c['function'], arguments=parsed(c['function'].get('arguments'))))
+                           if isinstance(c, dict) and isinstance(c.get('function'), dict) else c for c in calls]}
+
+def _tools_prompt(tools: list[dict]) -> str:
+    "The system message that offers `tools` to a model whose chat template does not (SmolLM2's call format)."
+    functions = '\n'.join(json.dumps(t.get('function', t), ensure_ascii=False) for t in tools)
+    return ('You can call functions. They are listed below, one JSON object per line. To call one or more of them, '
+            'answer only with <tool_call>[{"name": "function name", "arguments": {...}}]</tool_call>; otherwise '
+            f'answer normally.\n{functions}')
 
 def max_token_chars(tokenizer) -> int:
     "The most characters of a prompt one token can stand for: the longest vocabulary entry (x2 if text is normalized)."
@@ -48,14 +65,21 @@ class TokenizerWorker:
         self.max_token_chars = max_token_chars(tokenizer)
         self.max_model_len: int | None = None          # from `ContextLength`; None: prompts are not bounded here
 
-    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
-        "A conversation as prompt text: the chat template, with the assistant's turn opened, or the last message left open."
+    def chat_text(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+                  continue_final_message: bool = False) -> str:
+        "A conversation as prompt text: the chat template (given the tools), the assistant's turn opened or the last message left open."
         if not all(isinstance(m, dict) and isinstance(m.get('role'), str) for m in messages):
             raise ValueError("messages: each message must be an object with a 'role'")
-        conversation = [dict(m, content=_text_content(m.get('content'))) for m in messages]
-        return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=continue_final_message,
-                                                  chat_template=self.chat_template)
+        conversation = [dict(m, content=_text_content(m.get('content')), **_calls_as_objects(m)) for m in messages]
+        def render(conversation, tools=None):
+            return self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message,
+                                                      chat_template=self.chat_template)
+        text = render(conversation, tools)
+        if tools and text == render(conversation):   # the template does not show tools: say them in a system message
+            text = render([{'role': 'system', 'content': _tools_prompt(tools)}] + conversation)
+        return text
 
     def too_long(self, text: str) -> str | None:
         "Why `text` cannot fit the context, whatever it tokenizes to; None if it may."
@@ -69,7 +93,7 @@ class TokenizerWorker:
         param = 'messages' if msg.messages is not None else 'prompt'
         try:
             if msg.messages is None: text = msg.prompt
-            else: text = self.chat_text(msg.messages, msg.add_generation_prompt, msg.continue_final_message)
+            else: text = self.chat_text(msg.messages, msg.tools, msg.add_generation_prompt, msg.continue_final_message)
             if text is not None and (why := self.too_long(text)): return error_from_value(msg.rid, ValueError(why))
             if text is None: ids = [int(t) for t in msg.prompt_ids or []]
             else: ids = self.tokenizer(text, add_special_tokens=msg.messages is None).input_ids
@@ -79,6 +103,11 @@ class TokenizerWorker:
             text = str(e)
             return ErrorOut(msg.rid, text if text.startswith(param) else f'{param}: {text}', 400, param)
         if not ids: return ErrorOut(msg.rid, f'{param}: the prompt is empty', 400, param)
+        if sp.structured_outputs is not None:   # the grammar library checks the schema, regex or grammar (chapter 09a)
+            from nanoserve.structured import build_grammar    # here, not at the top: the API process never loads torch
+            field = msg.grammar_field or 'structured_outputs'
+            try: build_grammar(sp.structured_outputs, field)
+            except ValueError as e: return ErrorOut(msg.rid, str(e), 400, field)
         self.params[msg.rid] = sp
         if msg.echo or sp.prompt_logprobs is not None:
             self.prompts[msg.rid] = (ids, (msg.prompt if msg.prompt is not None else self.tokenizer.decode(ids)) if msg.echo else None)
