@@ -4,15 +4,14 @@
 
 # %% ../nbs/15_bench.ipynb #8b162d4c
 from __future__ import annotations
-import argparse, copy, gc, http.client, inspect, json, math, os, random, statistics, sys, tempfile, threading, time
+import copy, gc, http.client, inspect, json, math, os, random, statistics, tempfile, threading, time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 from typing import Sequence
 import torch
-from .config import ENGINE_FLAGS, EngineConfig, ModelConfig, add_dataclass_flags, dataclass_kwargs
-from .model import resolve_model_path
+from .config import EngineConfig
 from .req import Req, SamplingParams, StructuredOutputsParams
 from .pages import PageAllocator, PageTable
 from .scheduler import FakeRunner, Scheduler
@@ -20,7 +19,6 @@ from .metadata import build_metadata
 from .sampling import SamplingBatch
 from .structured import GrammarState, constrain_logits
 from .llm import make_engine
-from .checkpoints import resolve_model
 
 # %% auto #0
 __all__ = ['GPU_TARGETS', 'PERSON_SCHEMA', 'QWEN3_06B', 'Workload', 'random_workload', 'shared_prefix_workload', 'run_nanoserve',
@@ -28,9 +26,9 @@ __all__ = ['GPU_TARGETS', 'PERSON_SCHEMA', 'QWEN3_06B', 'Workload', 'random_work
            'compare', 'environment', 'format_table', 'result_table', 'environment_line', 'decode_throughput',
            'transformers_decode_throughput', 'decode_sweep', 'step_cost', 'scheduler_overhead', 'poisson_arrivals',
            'StreamResult', 'stream_completion', 'online_metrics', 'run_online', 'served_model', 'online_benchmark',
-           'ablations', 'mask_step_cost', 'structured_benchmark', 'plot_decode_sweep', 'longest_gap_stream',
-           'plot_stream_times', 'plot_ablations', 'qwen3_06b_dir', 'batch1_latency', 'gpu_benchmark', 'build_parser',
-           'main']
+           'ablations', 'mask_step_cost', 'structured_benchmark', 'figure_class', 'plot_decode_sweep',
+           'longest_gap_stream', 'plot_stream_times', 'plot_ablations', 'qwen3_06b_dir', 'batch1_latency',
+           'gpu_benchmark']
 
 # %% ../nbs/15_bench.ipynb #f895bf34
 @dataclass
@@ -540,14 +538,15 @@ PERSON_SCHEMA = {'type': 'object', 'properties': {
     'tags': {'type': 'array', 'items': {'type': 'string'}}}, 'required': ['name', 'age', 'city', 'tags']}
 
 # %% ../nbs/15_bench.ipynb #c3dc5282
-def _figure():
+def figure_class():
+    "matplotlib's `Figure` class, or an `ImportError` that says how to install it."
     try: from matplotlib.figure import Figure
     except ImportError: raise ImportError('the plots need matplotlib: pip install matplotlib') from None
     return Figure
 
 def plot_decode_sweep(sweep: dict, path: str | Path, title: str = 'decode throughput') -> Path:
     "A PNG of decode tokens/s against batch size: nanoserve, the peer, and the compute ceiling."
-    Figure = _figure()
+    Figure = figure_class()
     rows = sweep['rows']
     bs = [r['batch_size'] for r in rows]
     fig = Figure(figsize=(6, 3.6), dpi=100); ax = fig.add_subplot()
@@ -566,7 +565,7 @@ def longest_gap_stream(run: dict) -> int:
 
 def plot_stream_times(runs: dict[str, dict], path: str | Path, index: int | None = None, title: str | None = None) -> Path:
     "A PNG of one stream's chunks against time since it was sent, in each online run (by label): stalls show as flat steps."
-    Figure = _figure()
+    Figure = figure_class()
     runs = dict(runs)
     index = longest_gap_stream(next(iter(runs.values()))) if index is None else index
     fig = Figure(figsize=(6, 3.6), dpi=100)
@@ -587,7 +586,7 @@ def plot_stream_times(runs: dict[str, dict], path: str | Path, index: int | None
 
 def plot_ablations(abl: dict, path: str | Path, title: str = 'ablations') -> Path:
     "A PNG of the two ablations as bars: throughput with each feature on and off."
-    Figure = _figure()
+    Figure = figure_class()
     fig = Figure(figsize=(6, 3.2), dpi=100); axes = fig.subplots(1, 2)
     for ax, (name, label) in zip(axes, [('overlap', 'overlap scheduling\n(random workload)'), ('radix', 'radix cache\n(shared prefixes)')]):
         r = abl[name]
@@ -654,130 +653,3 @@ def gpu_benchmark(requests: int = 256, lens: tuple[int, int] = (100, 1024), peer
         if k in res: res[k].pop('outputs')
     res['decode_attention'] = bench_decode_attention(batch=64, context=4096)
     return res
-
-# %% ../nbs/15_bench.ipynb #57c3514e
-_ENGINE_FLAGS = tuple(f for f in ENGINE_FLAGS if f != 'seed')   # --seed seeds the workload
-
-def _model_args(p: argparse.ArgumentParser, peer: bool = True):
-    p.add_argument('--model', default='smollm2', help="model directory, hub id or 'smollm2' (default: smollm2)")
-    if peer: p.add_argument('--no-peer', action='store_true', help='skip transformers (the side-by-side peer)')
-    add_dataclass_flags(p.add_argument_group('engine (EngineConfig)'), EngineConfig, _ENGINE_FLAGS)
-
-def _random_args(p: argparse.ArgumentParser, num_requests: int = 64, output_len: tuple[int, int] = (32, 256)):
-    "The random workload's size and its prompt and output length ranges."
-    p.add_argument('--num-requests', type=int, default=num_requests, help=f'random requests (default: {num_requests})')
-    for flag, (lo, hi) in [('--input-len', (32, 256)), ('--output-len', output_len)]:
-        p.add_argument(flag, type=int, nargs=2, default=(lo, hi), metavar=('LO', 'HI'),
-                       help=f"{flag[2:-4]} lengths, uniform in [LO, HI] (default: {lo} {hi})")
-
-def build_parser() -> argparse.ArgumentParser:
-    "The `nanoserve bench` argument parser: one subcommand per benchmark."
-    parser = argparse.ArgumentParser(prog='nanoserve bench', description='nanoserve benchmarks: each prints a table; --json also writes the figures.')
-    sub = parser.add_subparsers(dest='bench', metavar='BENCHMARK', required=True)
-    def command(name, help):
-        p = sub.add_parser(name, help=help, description=help)
-        p.add_argument('--json', metavar='PATH', help='also write the figures to this JSON file')
-        p.add_argument('--threads', type=int, default=None, help="torch CPU threads (default: torch's)")
-        p.add_argument('--seed', type=int, default=0, help='seed of the workload (default: 0)')
-        return p
-    p = command('random', 'random prompts and output lengths (nano-vllm style), beside transformers generate')
-    _model_args(p)
-    _random_args(p)
-    p = command('shared-prefix', 'groups of requests sharing a long prefix, beside transformers generate')
-    _model_args(p)
-    for flag, default in [('--groups', 8), ('--per-group', 8), ('--prefix-len', 512), ('--question-len', 32), ('--output-len', 32)]:
-        p.add_argument(flag, type=int, default=default, help=f'(default: {default})')
-    p = command('decode', 'decode throughput against batch size and the compute ceiling, beside transformers')
-    _model_args(p)
-    p.add_argument('--batch-sizes', type=int, nargs='+', default=[1, 8, 32, 64, 128])
-    p.add_argument('--context', type=int, default=256, help='tokens in each request when decoding starts (default: 256)')
-    p.add_argument('--steps', type=int, default=32, help='decode steps timed per batch size (default: 32)')
-    p.add_argument('--plot', metavar='PNG', help='also plot throughput against batch size')
-    p = command('ablations', 'overlap scheduling on/off (random workload) and the radix cache on/off (shared prefixes)')
-    _model_args(p, peer=False)
-    _random_args(p)
-    p.add_argument('--groups', type=int, default=8, help='shared-prefix groups of 8 requests (default: 8)')
-    p.add_argument('--prefix-len', type=int, default=512, help='shared prefix length (default: 512)')
-    p.add_argument('--plot', metavar='PNG', help='also plot the ablations')
-    p = command('online', 'Poisson arrivals against a running server: TTFT, inter-token latency, throughput')
-    _model_args(p, peer=False)
-    p.add_argument('--rate', type=float, nargs='+', default=[2.0],
-                   help="requests per second, one run for each rate given (a sweep); 'inf' sends all at once (default: 2)")
-    p.add_argument('--max-duration', type=float, default=120.0, help='stop sending after this many seconds (default: 120)')
-    p.add_argument('--url', help='benchmark the OpenAI-compatible server already running there instead (engine flags unused)')
-    p.add_argument('--plot', metavar='PNG', help="also plot the token times of the stream with the longest gap")
-    _random_args(p, num_requests=32, output_len=(32, 128))
-    p = command('step-cost', "one step's time against the prompt tokens it carries beside a few decodes (the step budget)")
-    _model_args(p, peer=False)
-    p.add_argument('--budgets', type=int, nargs='+', default=[0, 16, 32, 64, 128, 256, 512], help='prompt tokens per step')
-    p.add_argument('--decodes', type=int, default=8, help='decodes in every step (default: 8)')
-    p.add_argument('--context', type=int, default=256, help="the decodes' context (default: 256)")
-    p.add_argument('--repeats', type=int, default=3, help='steps timed per budget, the median kept (default: 3)')
-    p = command('structured', 'the same random requests as free text and constrained to a JSON schema; the masks of one step')
-    _model_args(p, peer=False)
-    _random_args(p, num_requests=32, output_len=(64, 64))
-    p.add_argument('--schema', help='a JSON schema file (default: a person with name, age, city and tags)')
-    p = command('scheduler', 'host time per decode step with the fake runner (no model)')
-    p.add_argument('--batch-size', type=int, default=256)
-    p.add_argument('--steps', type=int, default=32)
-    p.add_argument('--prompt-len', type=int, default=64)
-    p = command('gpu', "nano-vllm's workload on Qwen3-0.6B-shaped random weights, batch-1 latency, decode-attention bandwidth (CUDA)")
-    p.add_argument('--requests', type=int, default=256)
-    p.add_argument('--no-peer', action='store_true', help='skip transformers (the side-by-side peer)')
-    return parser
-
-def _vocab(model: str) -> tuple[int, int]:
-    "Token ids for random prompts: [100, 10000) clipped to the model's vocabulary."
-    hi = min(10000, ModelConfig.from_pretrained(resolve_model_path(model)).vocab_size)
-    return min(100, hi // 2), hi
-
-def main(argv: Sequence[str] | None = None) -> int:
-    "`nanoserve bench BENCHMARK ...`: run one benchmark, print its table, optionally write JSON and a plot."
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, 'plot', None):
-        try: _figure()
-        except ImportError as e: parser.error(f'--plot: {e}')
-    if args.threads: torch.set_num_threads(args.threads); os.environ['OMP_NUM_THREADS'] = str(args.threads)   # (and the server's)
-    res, kind = dict(benchmark=args.bench, argv=list(argv or sys.argv[1:]), environment=environment()), args.bench
-    if kind in ('random', 'shared-prefix', 'decode', 'ablations', 'online', 'step-cost', 'structured'):
-        engine_kwargs = dataclass_kwargs(args, _ENGINE_FLAGS)
-        try: EngineConfig(model=args.model, **engine_kwargs)      # range errors first, before a model is converted or loaded
-        except ValueError as e: parser.error(str(e))
-        model = resolve_model(args.model, verbose=True)
-        vocab = _vocab(model)
-    if kind in ('random', 'shared-prefix', 'decode', 'step-cost', 'structured'):
-        engine = make_engine(EngineConfig(model=model, **engine_kwargs))
-        peer = None if kind in ('step-cost', 'structured') or args.no_peer else load_transformers(model, engine.worker.dtype)
-    if kind == 'random':
-        wl = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
-        res.update(compare(engine, peer, wl))
-    elif kind == 'shared-prefix':
-        wl = shared_prefix_workload(args.groups, args.per_group, args.prefix_len, args.question_len, args.output_len, vocab, args.seed)
-        res.update(compare(engine, peer, wl))
-    elif kind == 'decode':
-        res.update(decode_sweep(engine, peer, args.batch_sizes, args.context, args.steps, vocab))
-        if args.plot: plot_decode_sweep(res, args.plot, f'{Path(model).name}: decode, context {args.context}')
-    elif kind == 'ablations':
-        abl = ablations(model, random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed),
-                        shared_prefix_workload(args.groups, 8, args.prefix_len, vocab=vocab, seed=args.seed), **engine_kwargs)
-        res.update(abl)
-        if args.plot: plot_ablations(abl, args.plot, f'{Path(model).name} ablations')
-    elif kind == 'online':
-        wl = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
-        res.update(online_benchmark(model, wl, args.rate, args.max_duration, args.seed, args.url, **engine_kwargs))
-        if args.plot: plot_stream_times({f"{run['rate']}/s": run for run in res['runs']}, args.plot)
-    elif kind == 'step-cost':
-        res.update(step_cost(engine, args.budgets, args.decodes, args.context, args.repeats, vocab, args.seed))
-    elif kind == 'structured':
-        wl = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
-        schema = json.loads(Path(args.schema).read_text()) if args.schema else PERSON_SCHEMA
-        res.update(structured_benchmark(engine, wl, schema))
-    elif kind == 'scheduler':
-        res.update(scheduler_overhead(args.batch_size, args.steps, args.prompt_len, seed=args.seed))
-    else:
-        res.update(gpu_benchmark(args.requests, peer=not args.no_peer, seed=args.seed))
-    print(f"[{environment_line(res['environment'])}]")
-    print(result_table(res))
-    if args.json: Path(args.json).write_text(json.dumps(res, indent=1, default=str))
-    return 0

@@ -222,8 +222,8 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 def _bench(argv: list[str]) -> int:
-    try: from nanoserve.bench import main as bench_main
-    except ImportError as e: return _missing('bench', 'nanoserve.bench', e)
+    try: from nanoserve.bench_cli import main as bench_main
+    except ImportError as e: return _missing('bench', 'nanoserve.bench_cli', e)
     return bench_main(argv) or 0
 
 def _convert(args: argparse.Namespace) -> int:
