@@ -5,12 +5,51 @@
 # %% ../nbs/95_testing.ipynb #b8a0c004
 from __future__ import annotations
 import json, os, signal, ssl, subprocess, sys, time, urllib.error, urllib.request
+from pathlib import Path
 from typing import Sequence
 from .processes import free_port
 from .server.messages import LOG_LEVEL_ENV
 
 # %% auto #0
-__all__ = ['ServerProcess', 'use_triton_interpreter']
+__all__ = ['save_tiny_model', 'ServerProcess', 'use_triton_interpreter']
+
+# %% ../nbs/95_testing.ipynb #35a35c63
+_CORPUS = ("The quick brown fox jumps over the lazy dog. A small engine serves a large model, one token at a time. "
+           "Pages of keys and values are shared between requests that start alike. Paris is the capital of France; "
+           "Rome is the capital of Italy; Madrid is the capital of Spain. def main(): print('hello, world') "
+           "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Colours: red, green, blue, yellow. Héllo → 世界 ✓. ") * 8
+
+def save_tiny_model(path: str | Path, arch: str = 'llama', seed: int = 0, tokenizer: bool = False, **overrides) -> Path:
+    "Save a small random `arch` ('llama', 'qwen2', 'qwen3') model (and a BPE tokenizer) as a Hugging Face directory."
+    import torch, transformers
+    from transformers import AutoConfig, AutoModelForCausalLM
+    path = Path(path); path.mkdir(parents=True, exist_ok=True)
+    kw = dict(vocab_size=512 if tokenizer else 256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0, tie_word_embeddings=False)
+    if arch == 'qwen3': kw['head_dim'] = 32
+    kw.update(overrides)
+    if tokenizer:   # trained first, so that the model's vocabulary is exactly the tokenizer's
+        from tokenizers import Tokenizer, models, trainers, pre_tokenizers, decoders, processors
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False); tok.decoder = decoders.ByteLevel()
+        tok.train_from_iterator([_CORPUS], trainers.BpeTrainer(vocab_size=kw['vocab_size'], special_tokens=['<pad>', '<s>', '</s>'],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+        tok.post_processor = processors.TemplateProcessing(single='<s> $A', special_tokens=[('<s>', 1)])
+        fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token='<s>', eos_token='</s>', pad_token='<pad>')
+        fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                              "{% if add_generation_prompt %}<s>assistant: {% endif %}")
+        fast.save_pretrained(path)
+        kw['vocab_size'] = tok.get_vocab_size()
+    cfg = AutoConfig.for_model({'llama': 'llama', 'qwen2': 'qwen2', 'qwen3': 'qwen3'}[arch], **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():   # transformers' init (std 0.02, unit norms, zero biases) makes near-constant outputs
+        for name, p in model.named_parameters():
+            if 'norm' in name: p.copy_(1 + 0.1 * torch.randn_like(p))
+            else: p.normal_(0, 0.1 if p.ndim == 1 else 0.3)
+    model.save_pretrained(path)
+    return path
 
 # %% ../nbs/95_testing.ipynb #d5c00802
 class ServerProcess:

@@ -13,7 +13,7 @@ together is killed (the case then reads 'killed'): the machine is shared.
 """
 import argparse, json, os, resource, selectors, socket, sys, tempfile, threading, time
 import httpx
-from nanoserve.engine import save_tiny_model
+from nanoserve.testing import save_tiny_model
 from nanoserve.testing import ServerProcess
 
 ENGINE = dict(device='cpu', page_size=4, num_pages=256)

@@ -7,7 +7,7 @@ import json, re, shlex, subprocess, sys
 from pathlib import Path
 import httpx
 import pytest
-from nanoserve.engine import save_tiny_model
+from nanoserve.testing import save_tiny_model
 from nanoserve.llm import LLM
 from nanoserve.req import SamplingParams
 from nanoserve.testing import ServerProcess

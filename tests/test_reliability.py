@@ -12,7 +12,7 @@ Size: `NANOSERVE_STRESS_REQUESTS` requests per storm (default 64, sized for two 
 import asyncio, json, os, random, re, signal, threading, time
 import httpx
 import pytest
-from nanoserve.engine import save_tiny_model
+from nanoserve.testing import save_tiny_model
 from nanoserve.testing import ServerProcess
 from test_server import _envelope, _gone, _wait_idle
 

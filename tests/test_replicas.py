@@ -14,7 +14,7 @@ import httpx
 import openai
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
-from nanoserve.engine import save_tiny_model
+from nanoserve.testing import save_tiny_model
 from nanoserve.llm import LLM
 from nanoserve.req import SamplingParams
 from nanoserve.testing import ServerProcess

@@ -11,7 +11,7 @@ import http.client, json, os, shutil, socket, ssl, subprocess, threading, time
 import httpx
 import openai
 import pytest
-from nanoserve.engine import save_tiny_model
+from nanoserve.testing import save_tiny_model
 from nanoserve.server.frontend import MAX_REQUEST_BYTES
 from nanoserve.testing import ServerProcess
 

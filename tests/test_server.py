@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
-from nanoserve.engine import save_tiny_model
+from nanoserve.testing import save_tiny_model
 from nanoserve.llm import LLM
 from nanoserve.req import SamplingParams
 from nanoserve.testing import ServerProcess

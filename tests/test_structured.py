@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
-from nanoserve.engine import save_tiny_model
+from nanoserve.testing import save_tiny_model
 from nanoserve.testing import ServerProcess
 
 pytest.importorskip('xgrammar')    # the optional extra nanoserve[structured]

@@ -1,7 +1,8 @@
 """Tensor parallelism under `torchrun`, as a user would launch it over several machines: each rank is a fresh process
 that joins through torchrun's variables (a notebook cell cannot be a torchrun worker). TP 2 gives TP 1's tokens."""
 import json, os, subprocess, sys
-from nanoserve.engine import Engine, save_tiny_model
+from nanoserve.engine import Engine
+from nanoserve.testing import save_tiny_model
 from nanoserve.req import SamplingParams
 
 SCRIPT = '''
