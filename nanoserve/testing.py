@@ -6,12 +6,12 @@
 from __future__ import annotations
 import json, os, signal, ssl, subprocess, sys, time, urllib.error, urllib.request
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 from .processes import free_port
 from .server.messages import LOG_LEVEL_ENV
 
 # %% auto #0
-__all__ = ['save_tiny_model', 'ServerProcess', 'use_triton_interpreter']
+__all__ = ['save_tiny_model', 'ServerProcess', 'wait_until', 'process_gone', 'use_triton_interpreter']
 
 # %% ../nbs/95_testing.ipynb #35a35c63
 _CORPUS = ("The quick brown fox jumps over the lazy dog. A small engine serves a large model, one token at a time. "
@@ -130,6 +130,25 @@ class ServerProcess:
 
     def __enter__(self): return self.start()
     def __exit__(self, *exc): self.stop()
+
+# %% ../nbs/95_testing.ipynb #95a0c003
+def wait_until(condition: Callable, what: str, timeout: float = 120.0, every: float = 0.05):
+    "Poll `condition()` until it returns something true, and return it; `AssertionError` naming `what` after `timeout` s."
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value: return value
+        time.sleep(every)
+    raise AssertionError(f'{what}: not within {timeout} s')
+
+def process_gone(pid: int, timeout: float = 10.0) -> bool:
+    "Whether process `pid` has exited (or is a zombie) within `timeout` seconds."
+    def gone() -> bool:
+        try:
+            with open(f'/proc/{pid}/stat') as f: return f.read().rsplit(')', 1)[1].split()[0] == 'Z'
+        except FileNotFoundError: return True
+    try: return wait_until(gone, f'process {pid} to exit', timeout)
+    except AssertionError: return False
 
 # %% ../nbs/95_testing.ipynb #4b9e2c11
 def use_triton_interpreter() -> bool:

@@ -7,10 +7,9 @@ import json, re, shlex, subprocess, sys
 from pathlib import Path
 import httpx
 import pytest
-from nanoserve.testing import save_tiny_model
 from nanoserve.llm import LLM
 from nanoserve.req import SamplingParams
-from nanoserve.testing import ServerProcess
+from nanoserve.testing import ServerProcess, save_tiny_model
 
 README = Path(__file__).resolve().parent.parent / 'README.md'
 README_URL = 'http://127.0.0.1:8000'

@@ -12,9 +12,8 @@ Size: `NANOSERVE_STRESS_REQUESTS` requests per storm (default 64, sized for two 
 import asyncio, json, os, random, re, signal, threading, time
 import httpx
 import pytest
-from nanoserve.testing import save_tiny_model
-from nanoserve.testing import ServerProcess
-from test_server import _envelope, _gone, _wait_idle
+from nanoserve.testing import ServerProcess, process_gone, save_tiny_model, wait_until
+from test_server import _envelope, _wait_idle
 
 STORM = int(os.environ.get('NANOSERVE_STRESS_REQUESTS', '64'))
 STORMS = 5
@@ -38,7 +37,7 @@ def _retire(s):
     "Stop a fixture's server (SIGTERM; a test may have ended it already): the exit code it should have, no orphans."
     code = s.stop(signal.SIGTERM)
     assert code == s.expected_exit, f'server exit code {code}, expected {s.expected_exit}'
-    for name, pid in s.pids.items(): assert _gone(pid), f'{name} process {pid} outlived the server'
+    for name, pid in s.pids.items(): assert process_gone(pid), f'{name} process {pid} outlived the server'
 
 @pytest.fixture(scope='module')
 def main(model_dir):
@@ -124,14 +123,6 @@ def _rss_kb(pid: int) -> int:
     "Resident memory of a process, from /proc (no psutil here)."
     with open(f'/proc/{pid}/status') as f:
         return int(next(l for l in f if l.startswith('VmRSS:')).split()[1])
-
-def _until(pred, timeout: float, what: str, every: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v: return v
-        time.sleep(every)
-    raise AssertionError(f'{what}: not within {timeout} s')
 
 def _idle_and_whole(server) -> dict:
     "Idle, nothing open, every page free or evictable, nothing locked, the idle check passed."
@@ -581,7 +572,7 @@ def test_kv_exhaustion(kv, ref):
     result = {}
     t = threading.Thread(target=lambda: result.update(out=asyncio.run(_batch(kv.url, bodies))), daemon=True)
     t.start()
-    _until(lambda: kv.state()['stats'].get('waiting', 0) > 0, 60, 'requests waiting for KV pages')
+    wait_until(lambda: kv.state()['stats'].get('waiting', 0) > 0, 'requests waiting for KV pages', timeout=60)
     for body, words in [({'prompt': [5] * 100, 'max_tokens': 1}, '100 in the messages'),   # longer than the cache
                         ({'prompt': [5] * 60, 'max_tokens': 60}, '60 in the completion')]:  # prompt + output can't fit
         r = _post(kv, '/v1/completions', {'model': 'tiny', **body}, timeout=30)
@@ -605,7 +596,7 @@ def test_integrity_violation_raises_in_strict_mode(kv):
     kv.inject(leak_pages=2)
     kv.expected_exit = 1
     assert kv.proc.wait(30) == 1
-    for pid in kv.pids.values(): assert _gone(pid)
+    for pid in kv.pids.values(): assert process_gone(pid)
     kv.log.flush(); kv.log.seek(0)
     log = kv.log.read()
     assert 'the scheduler process failed: IntegrityError: the idle integrity check failed: a page is lost or owned twice' in log, log[-2000:]
@@ -616,16 +607,16 @@ def test_integrity_violation_warns_in_production_mode(main, ref):
     v0 = _metric(main, 'nanoserve:integrity_violations_total')
     try:
         main.inject(leak_pages=3)
-        st = _until(lambda: (s := main.state()['stats'])['integrity'] != 'ok' and s, 10, 'the idle check to fail')['integrity']
+        st = wait_until(lambda: (s := main.state()['stats'])['integrity'] != 'ok' and s, 'the idle check to fail', timeout=10)['integrity']
         assert st == 'failed: a page is lost or owned twice'
         assert _metric(main, 'nanoserve:integrity_ok') == 0.0 and _metric(main, 'nanoserve:integrity_violations_total') == v0 + 1
         r = _complete(main, prompt=POOL[1], max_tokens=6, temperature=0)          # still serving, still exact
         assert r['choices'][0]['text'] == ref.text(POOL[1], 6)
         assert httpx.get(main.url + '/health', timeout=10).status_code == 200
-        _until(lambda: _metric(main, 'nanoserve:integrity_violations_total') == v0 + 2, 10, 'the next idle check')
+        wait_until(lambda: _metric(main, 'nanoserve:integrity_violations_total') == v0 + 2, 'the next idle check', timeout=10)
     finally:
         main.inject(leak_pages=0)
-    _until(lambda: main.state()['stats']['integrity'] == 'ok', 10, 'the check to pass once the pages are back')
+    wait_until(lambda: main.state()['stats']['integrity'] == 'ok', 'the check to pass once the pages are back', timeout=10)
     assert _metric(main, 'nanoserve:integrity_ok') == 1.0 and _metric(main, 'nanoserve:integrity_violations_total') == v0 + 2
     _idle_and_whole(main)
 
@@ -639,14 +630,14 @@ def test_watchdog_reports_a_stalled_scheduler(main, ref):
         result = {}
         t = threading.Thread(target=lambda: result.update(r=_complete(main, prompt=POOL[2], max_tokens=6, temperature=0)), daemon=True)
         t.start()
-        h = _until(lambda: (h := httpx.get(main.url + '/health', timeout=10)).status_code == 503 and h, 10, 'the watchdog')
+        h = wait_until(lambda: (h := httpx.get(main.url + '/health', timeout=10)).status_code == 503 and h, 'the watchdog', timeout=10)
         assert 'no progress for 1 s' in _envelope(h)['message']
         assert _metric(main, 'nanoserve:watchdog_stalls_total') == stalls0 + 1
         r = _post(main, '/v1/completions', {'model': 'tiny', **CMPL})
         assert r.status_code == 503 and 'no progress' in _envelope(r)['message']
         t.join(30)
         assert result['r']['choices'][0]['text'] == ref.text(POOL[2], 6)     # the open request finished after all
-        _until(lambda: httpx.get(main.url + '/health', timeout=10).status_code == 200, 10, 'recovery')
+        wait_until(lambda: httpx.get(main.url + '/health', timeout=10).status_code == 200, 'recovery', timeout=10)
     finally:
         main.inject(watchdog_timeout=60.0)
     assert _metric(main, 'nanoserve:watchdog_stalls_total') == stalls0 + 1
@@ -676,7 +667,7 @@ def test_sigterm_drains_then_exits(main, ref):
     assert e1.wait(30) and e2.wait(30)
     sent = time.monotonic()
     main.proc.send_signal(signal.SIGTERM)
-    h = _until(lambda: (h := httpx.get(main.url + '/health', timeout=10)).status_code == 503 and h, 5, 'draining')
+    h = wait_until(lambda: (h := httpx.get(main.url + '/health', timeout=10)).status_code == 503 and h, 'draining', timeout=5)
     assert 'shutting down' in _envelope(h)['message']
     r = _post(main, '/v1/completions', {'model': 'tiny', **CMPL})
     assert r.status_code == 503 and 'shutting down' in _envelope(r)['message']
@@ -688,7 +679,7 @@ def test_sigterm_drains_then_exits(main, ref):
     assert long_['events'][-1] == '[DONE]' and 'drain deadline' in json.loads(long_['events'][-2])['error']['message']
     assert main.proc.wait(30) == 0
     assert time.monotonic() - sent < 15.0 + 10                      # the 15 s drain deadline, plus shutting down
-    for pid in main.pids.values(): assert _gone(pid)
+    for pid in main.pids.values(): assert process_gone(pid)
 
 def test_tokenizer_death(model_dir):
     "The tokenizer/detokenizer dies with a request in flight: that request gets a 503, the server exits 1, nothing is left."
@@ -698,7 +689,7 @@ def test_tokenizer_death(model_dir):
         result = {}
         t = threading.Thread(target=lambda: result.update(r=_post(s, '/v1/completions', {**CMPL, 'max_tokens': 400, 'ignore_eos': True})), daemon=True)
         t.start()
-        _until(lambda: s.state()['stats'].get('running') == 1, 30, 'the request to run')
+        wait_until(lambda: s.state()['stats'].get('running') == 1, 'the request to run', timeout=30)
         os.kill(s.pids['tokenizer'], signal.SIGKILL)
         t.join(30)
         r = result['r']
@@ -708,7 +699,7 @@ def test_tokenizer_death(model_dir):
         except httpx.TransportError: r2 = None                        # ... or the port is already closed
         assert r2 is None or (r2.status_code == 503 and 'tokenizer' in _envelope(r2)['message'])
         assert s.proc.wait(30) == 1
-        assert _gone(s.pids['scheduler'])
+        assert process_gone(s.pids['scheduler'])
     finally:
         s.stop(signal.SIGKILL)
 

@@ -5,7 +5,7 @@ one server; per-replica metrics and health; an abort reaches the replica; a repl
 process) is killed under its requests fails them with a 503, not a hang, and Ray Serve replaces it while the endpoint
 keeps answering. The faults are made deterministic by freezing a scheduler (SIGSTOP) before the requests it must hold.
 Skipped where Ray is not installed (`pip install nanoserve[ray]`)."""
-import json, os, signal, threading, time
+import os, signal, threading, time
 from concurrent.futures import ThreadPoolExecutor
 import pytest
 
@@ -14,10 +14,9 @@ import httpx
 import openai
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
-from nanoserve.testing import save_tiny_model
 from nanoserve.llm import LLM
 from nanoserve.req import SamplingParams
-from nanoserve.testing import ServerProcess
+from nanoserve.testing import ServerProcess, process_gone, save_tiny_model, wait_until
 
 ENGINE = dict(device='cpu', page_size=4, num_pages=256)     # per replica; max_model_len is the model's 512
 KEY = 'sk-replicas'
@@ -38,7 +37,7 @@ def server(model_dir):
     yield s
     replica_pids = [pid for pids in s.state()['pids'].values() for pid in pids.values()]
     assert s.stop(signal.SIGTERM, timeout=120) == 0
-    for pid in replica_pids: assert _gone(pid), f'process {pid} outlived the server'
+    for pid in replica_pids: assert process_gone(pid, timeout=30), f'process {pid} outlived the server'
 
 @pytest.fixture(scope='module')
 def llm(model_dir): return LLM(model_dir, **ENGINE)          # one engine on the same weights
@@ -46,33 +45,13 @@ def llm(model_dir): return LLM(model_dir, **ENGINE)          # one engine on the
 @pytest.fixture(scope='module')
 def client(server): return OpenAI(base_url=server.url + '/v1', api_key=KEY, max_retries=0, timeout=120)
 
-def _gone(pid: int, timeout: float = 30.0) -> bool:
-    "Whether process `pid` has exited (or is a zombie) within `timeout` seconds."
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f'/proc/{pid}/stat') as f:
-                if f.read().rsplit(')', 1)[1].split()[0] == 'Z': return True
-        except FileNotFoundError: return True
-        time.sleep(0.1)
-    return False
-
-def _until(condition, what: str, timeout: float = 120.0, every: float = 0.2):
-    "Poll `condition()` until it returns something true; fail after `timeout` s saying `what` never happened."
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value: return value
-        time.sleep(every)
-    raise AssertionError(f'{what}: not within {timeout} s')
-
 def _replicas(server, n: int = 2, timeout: float = 120.0) -> dict:
     "`/debug/state` once `n` replicas report their processes and counters."
     def ready():
         state = server.state()
         pids, stats = state['pids'], state['stats']
         return state if len(pids) == n and all(pids.values()) and all(stats.get(i) for i in pids) else None
-    return _until(ready, f'{n} engine replicas reporting', timeout)
+    return wait_until(ready, f'{n} engine replicas reporting', timeout)
 
 def _per_replica(server, name: str) -> dict[str, float]:
     "One engine metric from `/metrics`, by replica."
@@ -112,7 +91,7 @@ def test_greedy_answers_equal_one_engine(server, client, llm):
     def both_served():
         queries = _per_replica(server, 'nanoserve:prefix_cache_queries_total')
         return len([i for i, q in queries.items() if q > queries_before.get(i, 0)]) == 2
-    _until(both_served, 'both replicas answering some of them', 30)
+    wait_until(both_served, 'both replicas answering some of them', 30)
     r = _complete(client, [PROMPTS[0], PROMPTS[2]], 6, n=2)
     assert [c.text for c in r.choices] == [_greedy(llm, PROMPTS[0], 6).text] * 2 + [_greedy(llm, PROMPTS[2], 6).text] * 2
     ids = llm.tokenizer(PROMPTS[3]).input_ids
@@ -188,7 +167,7 @@ def _holder(server, client, prompt: str) -> str:
         stats = server.state()['stats']
         grew = [i for i in before if i in stats and stats[i]['prefix_queries'] > before[i]]
         return grew[0] if len(grew) == 1 else None
-    return _until(grown, 'a replica counting the prompt', 30)
+    return wait_until(grown, 'a replica counting the prompt', 30)
 
 def _open_requests(server) -> int: return server.state()['open_requests']
 
@@ -204,10 +183,10 @@ def test_abort_reaches_the_replica(server, client):
         with pytest.raises(httpx.ReadTimeout):      # nothing comes while the scheduler is frozen; the client leaves
             with httpx.stream('POST', server.url + '/v1/completions', json=body, timeout=3,
                               headers={'Authorization': f'Bearer {KEY}'}) as r: r.read()
-        _until(lambda: _open_requests(server) == 0, 'the ingress dropping the request', 30)
+        wait_until(lambda: _open_requests(server) == 0, 'the ingress dropping the request', 30)
         time.sleep(1.0)                             # the cancelled call reaches the replica, its abort the tokenizer
     finally: os.kill(scheduler, signal.SIGCONT)
-    stats = _until(lambda: (lambda s: s if s['aborted'] > aborted and not s['running'] and not s['waiting'] else None)(
+    stats = wait_until(lambda: (lambda s: s if s['aborted'] > aborted and not s['running'] and not s['waiting'] else None)(
         server.state()['stats'][replica]), 'the abort counted and the replica idle', 30)
     assert stats['integrity'] == 'ok' and stats['locked_pages'] == 0
 
@@ -220,13 +199,13 @@ def _frozen_requests(server, client, replica: str, prompt: str, count: int = 3) 
         except openai.APIStatusError as e: results[k] = e
     threads = [threading.Thread(target=ask, args=(k,)) for k in range(count)]
     for t in threads: t.start()
-    _until(lambda: _open_requests(server) == count, f'{count} requests open', 30)
+    wait_until(lambda: _open_requests(server) == count, f'{count} requests open', 30)
     return results, threads
 
 def _replaced(server, client, llm, gone: str):
     "The endpoint answers again, and Ray Serve has started a replica in place of `gone`."
-    _until(lambda: _answers(client), 'the endpoint answering', 120)
-    state = _until(lambda: (lambda s: s if gone not in s['pids'] else None)(_replicas(server)), 'a new replica', 120)
+    wait_until(lambda: _answers(client), 'the endpoint answering', 120)
+    state = wait_until(lambda: (lambda s: s if gone not in s['pids'] else None)(_replicas(server)), 'a new replica', 120)
     with ThreadPoolExecutor(4) as pool:          # both replicas serve, and answer as one engine does
         assert list(pool.map(lambda p: _complete(client, p).choices[0].text, PROMPTS)) == [_greedy(llm, p).text for p in PROMPTS]
     return state
@@ -246,7 +225,7 @@ def test_killed_scheduler_fails_its_requests_and_is_replaced(server, client, llm
     assert all(isinstance(r, openai.APIStatusError) and r.status_code == 503 for r in results), results
     assert 'scheduler' in results[0].message
     _replaced(server, client, llm, replica)
-    assert _gone(pids['replica']) and _gone(pids['tokenizer'])
+    assert process_gone(pids['replica'], timeout=30) and process_gone(pids['tokenizer'], timeout=30)
 
 def test_killed_replica_fails_its_requests_and_is_replaced(server, client, llm):
     prompt = DOCUMENTS[3] + '\nQuestion: which replica now?'
@@ -259,4 +238,4 @@ def test_killed_replica_fails_its_requests_and_is_replaced(server, client, llm):
     assert not any(t.is_alive() for t in threads), 'a request of the killed replica hung'
     assert all(isinstance(r, openai.APIStatusError) and r.status_code == 503 for r in results), results
     _replaced(server, client, llm, replica)
-    assert _gone(pids['tokenizer'])
+    assert process_gone(pids['tokenizer'], timeout=30)

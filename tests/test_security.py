@@ -11,9 +11,8 @@ import http.client, json, os, shutil, socket, ssl, subprocess, threading, time
 import httpx
 import openai
 import pytest
-from nanoserve.testing import save_tiny_model
 from nanoserve.server.frontend import MAX_REQUEST_BYTES
-from nanoserve.testing import ServerProcess
+from nanoserve.testing import ServerProcess, save_tiny_model
 
 SCALE = int(os.environ.get('NANOSERVE_ABUSE_SCALE', '1'))
 ENGINE = dict(device='cpu', page_size=4, num_pages=256)   # max_model_len is the model's 512

@@ -6,10 +6,9 @@ import httpx
 import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
-from nanoserve.testing import save_tiny_model
 from nanoserve.llm import LLM
 from nanoserve.req import SamplingParams
-from nanoserve.testing import ServerProcess
+from nanoserve.testing import ServerProcess, process_gone, save_tiny_model
 
 ENGINE = dict(device='cpu', page_size=4, num_pages=256)     # 1024 KV slots; max_model_len is the model's 512
 PROMPTS = ['The capital of France is', 'Colours:', 'def main():', 'Numbers: 0 1 2']
@@ -25,24 +24,13 @@ def server(model_dir):
     yield s
     code = s.stop(signal.SIGTERM)          # the shutdown a process manager does: clean, and nothing left behind
     assert code == 0, f'server exit code {code} after SIGTERM'
-    for name, pid in pids.items(): assert _gone(pid), f'{name} process {pid} outlived the server'
+    for name, pid in pids.items(): assert process_gone(pid), f'{name} process {pid} outlived the server'
 
 @pytest.fixture(scope='module')
 def llm(model_dir): return LLM(model_dir, **ENGINE)
 
 @pytest.fixture(scope='module')
 def client(server): return OpenAI(base_url=server.url + '/v1', api_key='unused', max_retries=0, timeout=60)
-
-def _gone(pid: int, timeout: float = 10.0) -> bool:
-    "Whether process `pid` has exited (or is a zombie) within `timeout` seconds."
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f'/proc/{pid}/stat') as f:
-                if f.read().rsplit(')', 1)[1].split()[0] == 'Z': return True
-        except FileNotFoundError: return True
-        time.sleep(0.05)
-    return False
 
 def _wait_idle(server, timeout: float = 20.0) -> dict:
     "The scheduler's counters once nothing runs or waits and the idle check has run."
@@ -378,7 +366,7 @@ def test_ctrl_c_mid_stream(model_dir):
             rest = [l for l in lines if l.startswith('data: ')]
         assert rest[-1] == 'data: [DONE]' and 'shutting down' in json.loads(rest[-2][6:])['error']['message']
         assert s.proc.wait(30) == 0
-    for pid in pids.values(): assert _gone(pid)
+    for pid in pids.values(): assert process_gone(pid)
 
 def test_startup_failure_is_reported(model_dir):
     "A bad engine argument or model: the server exits 1 with a one-line reason, and leaves no process behind."
@@ -405,6 +393,6 @@ def test_worker_death(model_dir):
         except httpx.TransportError: r = None                          # ... or has already closed its port
         assert r is None or (r.status_code == 503 and 'SIGKILL' in _envelope(r)['message'])
         assert s.proc.wait(30) == 1                           # exits by itself, with a message
-        assert _gone(pids['tokenizer'])
+        assert process_gone(pids['tokenizer'])
     finally:
         s.stop(signal.SIGKILL)

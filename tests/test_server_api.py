@@ -9,8 +9,7 @@ import pytest
 import torch
 from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from nanoserve.testing import save_tiny_model
-from nanoserve.testing import ServerProcess
+from nanoserve.testing import ServerProcess, save_tiny_model
 
 ENGINE = dict(device='cpu', page_size=4, num_pages=256, max_num_batched_tokens=16)   # small steps: chunked prompts
 PROMPT = 'The capital of France is'
