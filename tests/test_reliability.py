@@ -162,7 +162,16 @@ async def _storm(url: str, seed: int) -> tuple[list, list]:
 
 def test_load_with_aborts(main, ref):
     "Five storms of concurrent streams, a quarter abandoned: the rest are exact, nothing leaks, memory stays flat."
-    rss, served, abandoned = [], 0, 0
+    # The tiny model steps in about 1 ms, a real one in 10 ms or more. A client that leaves after its third chunk
+    # may read that chunk late on a busy 2-core machine (its one event loop parses 64 streams, beside three server
+    # processes), and an abandoned stream of 400 tokens could then finish before its client says goodbye. A 10 ms
+    # step gives every abandoned stream at least 4 s in which its client must leave; a storm takes ~50 steps.
+    main.inject(step_delay=0.01)
+    try: _storms(main, ref)
+    finally: main.inject(step_delay=0.0)
+
+def _storms(main, ref):
+    rss, served, abandoned, abandoned_tokens = [], 0, 0, 0
     for k in range(STORMS):
         before = _idle_and_whole(main)
         plan, results = asyncio.run(_storm(main.url, seed=1000 + k))
@@ -180,10 +189,13 @@ def test_load_with_aborts(main, ref):
         assert after['integrity_violations'] == before['integrity_violations']
         assert main.state()['open_requests'] == 0
         served, abandoned = served + len(plan) - n_ab, abandoned + n_ab
+        served_tokens = sum(m for _, m, ab in plan if ab is None)
+        abandoned_tokens += after['generated_tokens'] - before['generated_tokens'] - served_tokens
         rss.append((_rss_kb(main.pids['scheduler']), _rss_kb(main.proc.pid)))
     assert _metric(main, 'nanoserve:kv_cache_usage_perc') == 0.0 and _metric(main, 'nanoserve:integrity_ok') == 1.0
     sched, api = [r[0] for r in rss], [r[1] for r in rss]
-    print(f'\nload: {STORMS} storms x {STORM} streams: {served} served exactly, {abandoned} aborted, 0 pages leaked; '
+    print(f'\nload: {STORMS} storms x {STORM} streams: {served} served exactly, {abandoned} aborted '
+          f'(after {abandoned_tokens / abandoned:.1f} tokens on average), 0 pages leaked; '
           f'RSS after each storm: scheduler {sched} kB, API {api} kB')
     # Storm 1 warms up (malloc arenas, torch's CPU allocator, code paths, the tokenizer's caches). After it, the
     # growth measured over the 4 later storms on this machine is a few hundred kB of allocator noise; 4 MiB is
