@@ -14,7 +14,7 @@ import torch
 from .config import EngineConfig
 from .req import Req, SamplingParams, StructuredOutputsParams
 from .pages import PageAllocator, PageTable
-from .scheduler import FakeRunner, Scheduler
+from .scheduler import Scheduler
 from .metadata import build_metadata
 from .sampling import SamplingBatch
 from .structured import GrammarState, constrain_logits
@@ -366,6 +366,7 @@ def scheduler_overhead(batch_size: int = 256, steps: int = 32, prompt_len: int =
     rng = random.Random(seed)
     max_len = prompt_len + steps + 8
     table = PageTable(batch_size, max_len, PageAllocator(batch_size * -(-max_len // page_size) + 1, page_size))
+    from nanoserve.testing import FakeRunner      # a test utility (chapter 95): the model's time stays out
     runner = FakeRunner(table, vocab_size=1000)
     sched = Scheduler(table, runner, max_num_batched_tokens=batch_size * prompt_len, max_model_len=max_len,
                       enable_prefix_caching=enable_prefix_caching)

@@ -6,16 +6,13 @@
 from __future__ import annotations
 import math
 from dataclasses import dataclass
+from .config import cdiv
 from .req import Req
 
 # %% auto #0
-__all__ = ['cdiv', 'pages_for', 'admission_error', 'reserved_pages', 'PrefillBudget']
+__all__ = ['pages_for', 'admission_error', 'reserved_pages', 'PrefillBudget']
 
 # %% ../nbs/02_budget.ipynb #3b1fe05b
-def cdiv(a: int, b: int) -> int:
-    "Ceiling division."
-    return -(-a // b)
-
 def pages_for(start: int, end: int, page_size: int) -> int:
     "New pages to hold positions `[start, end)` for a request that already holds pages for `[0, start)`."
     return cdiv(end, page_size) - cdiv(start, page_size)

@@ -14,8 +14,8 @@ import torch
 
 # %% auto #0
 __all__ = ['ARCHITECTURES', 'ROPE_TYPES', 'BATCH_POLICIES', 'ENGINE_FLAGS', 'ModelConfig', 'EngineConfig', 'resolve_device',
-           'default_num_batched_tokens', 'resolve_dtype', 'default_cache_dir', 'field_docs', 'add_dataclass_flags',
-           'dataclass_kwargs']
+           'default_num_batched_tokens', 'resolve_dtype', 'default_cache_dir', 'cdiv', 'field_docs',
+           'add_dataclass_flags', 'dataclass_kwargs']
 
 # %% ../nbs/00_config.ipynb #5e626a7f
 ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2', 'Qwen3ForCausalLM': 'qwen3'}
@@ -186,6 +186,11 @@ def resolve_dtype(dtype: str, model_dtype: torch.dtype, device: torch.device) ->
 def default_cache_dir() -> Path:
     "Where nanoserve keeps what it builds once: `$XDG_CACHE_HOME/nanoserve`, by default `~/.cache/nanoserve`."
     return Path(os.environ.get('XDG_CACHE_HOME') or Path.home()/'.cache')/'nanoserve'
+
+# %% ../nbs/00_config.ipynb #7c1d0a01
+def cdiv(a: int, b: int) -> int:
+    "Ceiling division: how many blocks of `b` hold `a` things (pages for tokens, tiles for rows)."
+    return -(-a // b)
 
 # %% ../nbs/00_config.ipynb #3c0a1e05
 ENGINE_FLAGS = tuple(f.name for f in fields(EngineConfig) if f.name != 'model')   # the model is an argument of its own

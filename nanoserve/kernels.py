@@ -11,9 +11,9 @@ from .references import decode_attention_ref
 import triton.language as tl
 
 # %% auto #0
-__all__ = ['INTERPRET', 'DECODE_BLOCK_N', 'GPU_ARCHS', 'MODEL_SHAPES', 'rms_norm', 'rope', 'silu_and_mul', 'random_page_table',
-           'store_kv', 'decode_num_splits', 'decode_attention', 'extend_attention', 'bench_decode_attention',
-           'kernel_launches', 'capture_launches', 'compile_kernel', 'occupancy', 'check_kernels']
+__all__ = ['INTERPRET', 'DECODE_BLOCK_N', 'GPU_ARCHS', 'MODEL_SHAPES', 'rms_norm', 'rope', 'silu_and_mul', 'store_kv',
+           'decode_num_splits', 'decode_attention', 'extend_attention', 'bench_decode_attention', 'kernel_launches',
+           'capture_launches', 'compile_kernel', 'occupancy', 'check_kernels']
 
 # %% ../nbs/06_kernels.ipynb #b626afdf
 INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'   # kernels run in the Triton interpreter (no GPU)
@@ -118,23 +118,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[(triton.cdiv(x2.shape[0], block_r), triton.cdiv(n_cols, block_c))](
             x2, out, x2.shape[0], n_cols, x2.stride(0), out.stride(0), BLOCK_R=block_r, BLOCK_C=block_c)
     return out.view(*x.shape[:-1], n_cols)
-
-# %% ../nbs/06_kernels.ipynb #906d28dc
-def random_page_table(seq_lens: list[int], page_size: int, num_pages: int, max_len: int, seed: int = 0,
-                      device: str | torch.device = 'cpu') -> tuple[torch.Tensor, torch.Tensor]:
-    "For tests and benchmarks: `(page_table [B + 1, max_len] int32, table_idx [B] int32)`, requests on shuffled pages."
-    g = torch.Generator().manual_seed(seed)
-    num_slots = (num_pages + 1) * page_size      # the last page is the dummy page
-    table = torch.randint(0, num_slots, (len(seq_lens) + 1, max_len), generator=g, dtype=torch.int32)
-    pages = torch.randperm(num_pages, generator=g)
-    rows = torch.randperm(len(seq_lens) + 1, generator=g)[:len(seq_lens)]
-    used = 0
-    for row, n in zip(rows.tolist(), seq_lens):
-        assert n <= max_len and used + triton.cdiv(n, page_size) <= num_pages, 'pool too small'
-        j = torch.arange(n)
-        table[row, :n] = (pages[used:][j // page_size] * page_size + j % page_size).int()
-        used += triton.cdiv(n, page_size)
-    return table.to(device), rows.int().to(device)
 
 # %% ../nbs/06_kernels.ipynb #cd021dd1
 @triton.jit
@@ -344,6 +327,7 @@ def bench_decode_attention(batch: int = 64, context: int = 4096, num_heads: int 
                            page_size: int = 16, dtype: torch.dtype = torch.bfloat16, num_splits: int | None = None,
                            peak_gb_per_s: float = 4300.0, check: bool = True) -> dict:
     "Time `decode_attention` on a full batch on shuffled pages (CUDA only); bandwidth = bytes of K and V read / time."
+    from nanoserve.testing import random_page_table     # a test utility (chapter 95)
     assert torch.cuda.is_available() and not INTERPRET, 'bench_decode_attention needs a GPU'
     device, g = 'cuda', torch.Generator(device='cuda').manual_seed(0)
     num_pages = batch * triton.cdiv(context, page_size)

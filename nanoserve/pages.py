@@ -5,7 +5,7 @@
 # %% ../nbs/03_pages.ipynb #67a66dea
 from __future__ import annotations
 import torch
-from .budget import cdiv
+from .config import cdiv
 
 # %% auto #0
 __all__ = ['to_device', 'PageAllocator', 'PageTable']

@@ -276,16 +276,17 @@ class Batch:
     phase: Literal['prefill', 'decode', 'mixed']   # prompt chunks, decodes, or both
     extend_lens: list[int]              # new positions per request in this step
     start_lens: list[int] = field(default_factory=list)  # each request's cached_len before the launch
-    samples: list[bool] = field(default_factory=list)    # whether each request samples a token this step
-    epochs: list[int] = field(default_factory=list)      # each request's num_retractions when scheduled
+    sample_mask: list[bool] = field(default_factory=list)      # whether each request samples a token this step
+    num_retractions: list[int] = field(default_factory=list)   # each request's num_retractions when scheduled
     prompt_logit_lens: list[int] = field(default_factory=list)   # per request, its first positions scoring prompt tokens
 
     def __post_init__(self):
         assert len(self.reqs) == len(self.extend_lens) > 0
         assert self.phase != 'decode' or all(n == 1 for n in self.extend_lens), 'a decode step extends each request by 1'
         if not self.start_lens: self.start_lens = [r.cached_len for r in self.reqs]
-        if not self.samples: self.samples = [r.cached_len + n == r.device_len for r, n in zip(self.reqs, self.extend_lens)]
-        if not self.epochs: self.epochs = [r.num_retractions for r in self.reqs]
+        if not self.sample_mask:
+            self.sample_mask = [r.cached_len + n == r.device_len for r, n in zip(self.reqs, self.extend_lens)]
+        if not self.num_retractions: self.num_retractions = [r.num_retractions for r in self.reqs]
         if not self.prompt_logit_lens:
             self.prompt_logit_lens = [r.prompt_logit_len(s, n) for r, s, n in zip(self.reqs, self.start_lens, self.extend_lens)]
 
@@ -298,7 +299,7 @@ class Batch:
     @property
     def sample_rows(self) -> list[int]:
         "Which requests of the batch sample a token this step (their logits rows, in order)."
-        return [i for i, sampled in enumerate(self.samples) if sampled]
+        return [i for i, sampled in enumerate(self.sample_mask) if sampled]
 
     def prompt_logit_indices(self) -> list[int]:
         "Where the positions scoring prompt tokens sit among the step's tokens (requests' positions follow each other)."

@@ -7,18 +7,19 @@ from __future__ import annotations
 from collections import deque
 from typing import Iterable, NamedTuple, Protocol, Sequence
 import torch
-from .config import BATCH_POLICIES
+from .config import BATCH_POLICIES, cdiv
 from .req import Batch, FinishReason, Req, SamplingParams
-from .budget import PrefillBudget, admission_error, cdiv, pages_for, reserved_pages
+from .budget import PrefillBudget, admission_error, pages_for, reserved_pages
 from .pages import PageAllocator, PageTable
 from .radix import RadixCache, RadixNode
 
 # %% auto #0
-__all__ = ['StepOutput', 'ModelRunner', 'FakeRunner', 'check_stop', 'Scheduler']
+__all__ = ['StepOutput', 'ModelRunner', 'check_stop', 'Scheduler']
 
 # %% ../nbs/05_scheduler.ipynb #f805fba8
 class StepOutput(NamedTuple):
-    "What a runner returns for a launched batch: one token per request (-1 where it samples nothing), and per request the logprobs its sampler reported (None where none were asked for)."
+    """What a runner returns for a launched batch: one token per request (-1 where it samples nothing), and per
+    request the logprobs its sampler reported (None where none were asked for)."""
     tokens: Sequence[int]
     logprobs: Sequence | None = None
     prompt_logprobs: Sequence | None = None   # per request, the entries of the prompt tokens its positions scored
@@ -26,32 +27,6 @@ class StepOutput(NamedTuple):
 class ModelRunner(Protocol):
     "What the scheduler needs from a model: one sampled token per request of a launched batch."
     def forward(self, batch: Batch) -> StepOutput: ...
-
-class FakeRunner:
-    "A stand-in model whose 'KV' is the token id itself, read back through the page table; the next token hashes the context."
-    def __init__(self, table: PageTable, vocab_size: int = 64):
-        self.table, self.vocab_size = table, vocab_size
-        self.kv = torch.full((table.allocator.num_slots,), -1, dtype=torch.int64)
-        self.num_tokens = 0  # positions computed, for tests
-
-    def next_token(self, context: torch.Tensor) -> int:
-        "A deterministic function of the whole context."
-        weights = torch.arange(1, len(context) + 1, dtype=torch.int64) % 13 + 1
-        return int(((context * weights).sum() * 2654435761 + len(context)) % self.vocab_size)
-
-    def forward(self, batch: Batch) -> StepOutput:
-        "Compute a launched batch: input ids from the token pool, KV through the page table; sampled ids go back to the pool."
-        tokens = []
-        for req, start, n, sampled in zip(batch.reqs, batch.start_lens, batch.extend_lens, batch.samples):
-            end, row = start + n, req.table_idx
-            self.kv[self.table.locs(row, start, end).long()] = self.table.tokens[row, start:end].long()
-            context = self.kv[self.table.locs(row, 0, end).long()]
-            assert torch.equal(context, self.table.tokens[row, :end].long()), f'req {req.uid}: KV read through the page table is corrupt'
-            token = self.next_token(context)
-            if sampled: self.table.tokens[row, req.device_len - 1] = token
-            tokens.append(token)
-            self.num_tokens += n
-        return StepOutput(tokens)
 
 # %% ../nbs/05_scheduler.ipynb #fda45de2
 def check_stop(req: Req, token: int,            # the token just appended with `req.append_token`
@@ -131,7 +106,7 @@ class Scheduler:
         self.table.sync()
         batch.launch()
         self._launched += 1
-        for req, sampled in zip(batch.reqs, batch.samples):
+        for req, sampled in zip(batch.reqs, batch.sample_mask):
             if sampled and req in self.prefilling:   # the prompt is fully prefilled: share it, then decode
                 self.prefilling.remove(req)
                 self.running.append(req)
@@ -253,9 +228,9 @@ class Scheduler:
         logprobs = output.logprobs if output.logprobs is not None else [None] * batch.size
         prompt_logprobs = output.prompt_logprobs or [None] * batch.size
         out = []
-        for req, sampled, epoch, token, lp, start, plp in zip(batch.reqs, batch.samples, batch.epochs, output.tokens,
+        for req, sampled, retractions, token, lp, start, plp in zip(batch.reqs, batch.sample_mask, batch.num_retractions, output.tokens,
                                                                logprobs, batch.start_lens, prompt_logprobs):
-            if req.finished or req.num_retractions != epoch: continue   # done, or retracted meanwhile
+            if req.finished or req.num_retractions != retractions: continue   # done, or retracted meanwhile
             if plp: req.add_prompt_logprobs(start, plp)
             if not sampled: continue
             req.append_token(token)

@@ -120,7 +120,7 @@ class StepMessage:
     rows: list[int]             # page-table row of each request
     start_lens: list[int]       # positions cached before the step
     extend_lens: list[int]      # positions computed by the step
-    samples: list[bool]         # whether each request samples a token (its last position goes through the LM head)
+    sample_mask: list[bool]     # whether each request samples a token (its last position goes through the LM head)
     prompt_logit_lens: list[int]  # how many of its first positions go through the LM head too (prompt logprobs)
     token_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (row, start, ids) rank 0's host wrote
     updates: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)    # (row, start, token locations) to write
@@ -132,14 +132,14 @@ class StepMessage:
                    updates: list[tuple[int, int, torch.Tensor]]) -> StepMessage:
         "The message for a launched batch."
         return cls(batch.phase, [r.table_idx for r in batch.reqs], list(batch.start_lens), list(batch.extend_lens),
-                   list(batch.samples), list(batch.prompt_logit_lens), list(token_writes), updates)
+                   list(batch.sample_mask), list(batch.prompt_logit_lens), list(token_writes), updates)
 
     def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
         "The int32 header and payload: the batch, then every span's row, start and length, then their values."
         spans = [(row, start, torch.tensor(ids, dtype=torch.int32)) for row, start, ids in self.token_writes] + self.updates
         values = [v.to(torch.int32) for _, _, v in spans]
         header = [_STEP, _PHASES.index(self.phase), len(self.rows), len(self.token_writes), len(self.updates), sum(map(len, values))]
-        ints = self.rows + self.start_lens + self.extend_lens + [int(s) for s in self.samples] + self.prompt_logit_lens
+        ints = self.rows + self.start_lens + self.extend_lens + [int(s) for s in self.sample_mask] + self.prompt_logit_lens
         ints += [row for row, _, _ in spans] + [start for _, start, _ in spans] + [len(v) for v in values]
         return torch.tensor(header, dtype=torch.int32), torch.cat([torch.tensor(ints, dtype=torch.int32), *values])
 
@@ -165,7 +165,7 @@ class StepMessage:
     def batch(self) -> Batch:
         "The batch a follower runs: the same rows and lengths as rank 0's."
         reqs = [_FollowerReq(row) for row in self.rows]
-        return Batch(reqs, self.phase, list(self.extend_lens), list(self.start_lens), list(self.samples), [0] * len(reqs),
+        return Batch(reqs, self.phase, list(self.extend_lens), list(self.start_lens), list(self.sample_mask), [0] * len(reqs),
                      list(self.prompt_logit_lens))
 
     def apply(self, table: PageTable):
