@@ -64,7 +64,8 @@ class PageAllocator:
         p = torch.tensor(pages, dtype=torch.int32)
         return (p[:, None] * self.page_size + torch.arange(self.page_size, dtype=torch.int32)).flatten()
 
-    def __repr__(self): return f'PageAllocator(num_pages={self.num_pages}, page_size={self.page_size}, free={self.num_free})'
+    def __repr__(self):
+        return f'PageAllocator(num_pages={self.num_pages}, page_size={self.page_size}, free={self.num_free})'
 
 # %% ../nbs/03_pages.ipynb #4c055b98
 class PageTable:
@@ -85,7 +86,7 @@ class PageTable:
         self._free_rows = list(range(max_running_requests - 1, -1, -1))
         self._dirty: set[int] = set()
         self._token_writes: list[tuple[int, int, list[int]]] = []   # (row, start, ids) since the last sync
-        self.synced_token_writes: list[tuple[int, int, list[int]]] = []   # those of the last sync (mirrored, chapter 12)
+        self.synced_token_writes: list[tuple[int, int, list[int]]] = []   # those of the last sync (chapter 12)
 
     @property
     def num_free_rows(self) -> int: return len(self._free_rows)
@@ -98,12 +99,14 @@ class PageTable:
     def free_row(self, row: int):
         "Give a request slot back, resetting it to the dummy location."
         assert 0 <= row < self.dummy_row and row not in self._free_rows, f'row {row} freed twice'
-        self.host[row].fill_(self.dummy_loc); self._dirty.add(row)
+        self.host[row].fill_(self.dummy_loc)
+        self._dirty.add(row)
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, locs: torch.Tensor):
         "Set positions `[start, start + len(locs))` of `row` to the token locations `locs`."
-        self.host[row, start:start + len(locs)] = locs; self._dirty.add(row)
+        self.host[row, start:start + len(locs)] = locs
+        self._dirty.add(row)
 
     def write_tokens(self, row: int, start: int, ids: list[int]):
         "Set the token pool's positions `[start, start + len(ids))` of `row` to `ids` (on a GPU at the next `sync`)."
@@ -142,8 +145,11 @@ class PageTable:
             rows = sorted(self._dirty)
             self.table[to_device(rows, self.device, torch.int64)] = to_device(self.host[rows], self.device)
         if self._token_writes and self.device.type != 'cpu':   # (a CPU pool took them at once)
-            rows = to_device([r for r, s, ids in self._token_writes for _ in ids], self.device, torch.int64)
-            cols = to_device([s + i for r, s, ids in self._token_writes for i in range(len(ids))], self.device, torch.int64)
-            self.tokens[rows, cols] = to_device([t for r, s, ids in self._token_writes for t in ids], self.device, torch.int32)
+            writes = self._token_writes
+            rows = [row for row, start, ids in writes for _ in ids]
+            cols = [start + i for row, start, ids in writes for i in range(len(ids))]
+            ids = [t for row, start, ids in writes for t in ids]
+            rows, cols = to_device(rows, self.device, torch.int64), to_device(cols, self.device, torch.int64)
+            self.tokens[rows, cols] = to_device(ids, self.device, torch.int32)
         self._dirty.clear()
         self.synced_token_writes, self._token_writes = self._token_writes, []

@@ -32,12 +32,14 @@ class ModelRunner(Protocol):
 def check_stop(req: Req, token: int,            # the token just appended with `req.append_token`
                eos_ids: Iterable[int]) -> FinishReason | None:
     "Why `req` ends after its newest token `token`, or None (stop strings are checked on the text later)."
-    assert req.input_ids[-1] == token and len(req.input_ids) > req.prompt_len, f'req {req.uid}: check_stop after append_token'
+    appended = req.input_ids[-1] == token and len(req.input_ids) > req.prompt_len
+    assert appended, f'req {req.uid}: check_stop after append_token'
     sp, n = req.sampling_params, len(req.input_ids) - req.prompt_len
     if n >= sp.min_tokens:
         if not sp.ignore_eos and token in eos_ids: return FinishReason.STOP
         if token in sp.stop_token_ids: return FinishReason.STOP
-    if (sp.max_tokens is not None and n >= sp.max_tokens) or len(req.input_ids) >= req.max_device_len: return FinishReason.LENGTH
+    if sp.max_tokens is not None and n >= sp.max_tokens: return FinishReason.LENGTH
+    if len(req.input_ids) >= req.max_device_len: return FinishReason.LENGTH
     return None
 
 # %% ../nbs/05_scheduler.ipynb #657a0596
@@ -206,8 +208,9 @@ class Scheduler:
     def _schedule_decode(self) -> list[Req] | None:
         "Every running request that can take a token, its next page given; None: wait for the step in flight."
         ps = self.page_size
-        def ready(): return [r for r in self.running if r.device_len < r.max_device_len]   # others await their last token
-        def crossing(reqs): return [r for r in reqs if r.cached_len % ps == 0]     # their next position opens a page
+        # ready: may take a token (the others await their last); crossing: their next position opens a page
+        def ready(): return [r for r in self.running if r.device_len < r.max_device_len]
+        def crossing(reqs): return [r for r in reqs if r.cached_len % ps == 0]
         reqs = ready()
         while len(crossing(reqs)) > self._available_pages():
             if len(reqs) < len(self.running): return None   # those awaiting their last token free pages once it lands
@@ -217,7 +220,8 @@ class Scheduler:
             reqs = ready()
         new = crossing(reqs)                      # one page each, written to the table at once
         if len(new) > self.allocator.num_free and self.cache: self.cache.evict(len(new) - self.allocator.num_free)
-        self.table.allocate_pages([r.table_idx for r in new], [r.cached_len for r in new], self.allocator.allocate(len(new)))
+        pages = self.allocator.allocate(len(new))
+        self.table.allocate_pages([r.table_idx for r in new], [r.cached_len for r in new], pages)
         return reqs
 
     # -- results -------------------------------------------------------------------------------------------
@@ -228,8 +232,9 @@ class Scheduler:
         logprobs = output.logprobs if output.logprobs is not None else [None] * batch.size
         prompt_logprobs = output.prompt_logprobs or [None] * batch.size
         out = []
-        for req, sampled, retractions, token, lp, start, plp in zip(batch.reqs, batch.sample_mask, batch.num_retractions, output.tokens,
-                                                               logprobs, batch.start_lens, prompt_logprobs):
+        rows = zip(batch.reqs, batch.sample_mask, batch.num_retractions, output.tokens, logprobs, batch.start_lens,
+                   prompt_logprobs)
+        for req, sampled, retractions, token, lp, start, plp in rows:
             if req.finished or req.num_retractions != retractions: continue   # done, or retracted meanwhile
             if plp: req.add_prompt_logprobs(start, plp)
             if not sampled: continue
@@ -323,14 +328,16 @@ class Scheduler:
             self.cache.check_integrity()
             owned += self.cache.pages()
         assert sorted(owned) == list(range(self.allocator.num_pages)), 'a page is lost or owned twice'
-        assert self.table.num_free_rows + len(admitted) + len(self._rows_to_free) == self.table.dummy_row, 'a request slot is lost'
+        num_rows = self.table.num_free_rows + len(admitted) + len(self._rows_to_free)
+        assert num_rows == self.table.dummy_row, 'a request slot is lost'
         assert len({r.table_idx for r in admitted}) == len(admitted), 'two requests share a slot'
         for r in admitted: r.check()
         assert set(self.reqs) == {r.uid for r in admitted} | {r.uid for r in self.waiting}, 'a request is lost'
         if self.idle:
             locked = self.cache.protected_pages if self.cache else 0
             assert locked == 0, 'pages are still locked at idle'
-            assert self.allocator.num_free + (self.cache.evictable_pages if self.cache else 0) == self.allocator.num_pages
+            evictable = self.cache.evictable_pages if self.cache else 0
+            assert self.allocator.num_free + evictable == self.allocator.num_pages, 'pages are held at idle'
 
     def stats(self) -> dict:
         "Counts for logs and metrics."
