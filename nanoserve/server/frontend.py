@@ -28,6 +28,17 @@ __all__ = ['MAX_REQUEST_BYTES', 'OPEN_PATHS', 'COLLECT_AFTER_BYTES', 'ServerMetr
            'Generation', 'Frontend', 'RequestGuard', 'build_app']
 
 # %% ../../nbs/14e_frontend.ipynb #e8b7e8f6
+def _kv_cache_usage(counters: dict) -> float:
+    "The fraction of KV pages held by requests (cached pages that can be evicted count as free); 0 with no pages."
+    pages = counters.get('num_pages', 0)
+    if not pages: return 0.0
+    return (pages - counters.get('free_pages', 0) - counters.get('evictable_pages', 0)) / pages
+
+def _prefix_hit_rate(counters: dict) -> float:
+    "Prompt tokens found in the prefix cache / prompt tokens looked up; 0 before any lookup."
+    queries = counters.get('prefix_queries', 0)
+    return counters.get('prefix_hits', 0) / queries if queries else 0.0
+
 class _SchedulerCollector:
     "Prometheus metrics read from the scheduler's latest counters at scrape time."
     def __init__(self, model: str, stats: Callable[[], dict]):
@@ -35,27 +46,26 @@ class _SchedulerCollector:
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-        s = self.stats() or {}
-        pages = s.get('num_pages', 0)
-        used = pages - s.get('free_pages', 0) - s.get('evictable_pages', 0) if pages else 0
-        queries, hits = s.get('prefix_queries', 0), s.get('prefix_hits', 0)
+        counters = self.stats() or {}
         gauge, counter = GaugeMetricFamily, CounterMetricFamily
         for kind, name, doc, value in [
-                (gauge, 'num_requests_running', 'Requests being prefilled or decoded.', s.get('running', 0)),
-                (gauge, 'num_requests_waiting', 'Requests waiting to be admitted.', s.get('waiting', 0)),
+                (gauge, 'num_requests_running', 'Requests being prefilled or decoded.', counters.get('running', 0)),
+                (gauge, 'num_requests_waiting', 'Requests waiting to be admitted.', counters.get('waiting', 0)),
                 (gauge, 'kv_cache_usage_perc', 'Fraction of KV pages held by requests (1 = full).',
-                 used / pages if pages else 0.0),
+                 _kv_cache_usage(counters)),
                 (gauge, 'prefix_cache_hit_rate', 'Prompt tokens found in the prefix cache / prompt tokens.',
-                 hits / queries if queries else 0.0),
-                (counter, 'prefix_cache_queries', 'Prompt tokens looked up in the prefix cache.', queries),
-                (counter, 'prefix_cache_hits', 'Prompt tokens found in the prefix cache.', hits),
-                (counter, 'num_preemptions', 'Requests retracted to free KV pages.', s.get('retractions', 0)),
+                 _prefix_hit_rate(counters)),
+                (counter, 'prefix_cache_queries', 'Prompt tokens looked up in the prefix cache.',
+                 counters.get('prefix_queries', 0)),
+                (counter, 'prefix_cache_hits', 'Prompt tokens found in the prefix cache.',
+                 counters.get('prefix_hits', 0)),
+                (counter, 'num_preemptions', 'Requests retracted to free KV pages.', counters.get('retractions', 0)),
                 (counter, 'num_aborted_requests', 'Requests stopped before they finished (client gone, stop string).',
-                 s.get('aborted', 0)),
+                 counters.get('aborted', 0)),
                 (gauge, 'integrity_ok', 'Whether the last idle check of the page accounting passed.',
-                 float(s.get('integrity', 'ok') == 'ok')),
+                 float(counters.get('integrity', 'ok') == 'ok')),
                 (counter, 'integrity_violations', 'Idle checks of the page accounting that failed.',
-                 s.get('integrity_violations', 0))]:
+                 counters.get('integrity_violations', 0))]:
             metric = kind(f'nanoserve:{name}', doc, labels=['model_name'])
             metric.add_metric([self.model], value)
             yield metric
@@ -68,7 +78,7 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
 class ServerMetrics:
     "The server's Prometheus registry."
     def __init__(self, model: str,
-                 stats: Callable[[], dict] | None):   # the scheduler's counters; None: no scheduler metrics (chapter 17)
+                 stats: Callable[[], dict] | None):   # the scheduler's counters; None: none of its metrics (chapter 17)
         from prometheus_client import CollectorRegistry, Counter, Histogram
         self.model = model
         self.registry = CollectorRegistry()
@@ -310,10 +320,9 @@ class Frontend:
         quiet = now - self.last_progress
         if quiet > self.watchdog_timeout and self.routes:
             if self.stalled is None:
-                s = self.stats
+                running, waiting = self.stats.get('running', 0), self.stats.get('waiting', 0)
                 self.stalled = (f'the scheduler has made no progress for {self.watchdog_timeout:g} s with '
-                                f"{len(self.routes)} request(s) open (running {s.get('running', 0)}, "
-                                f"waiting {s.get('waiting', 0)})")
+                                f'{len(self.routes)} request(s) open (running {running}, waiting {waiting})')
                 log(f'ERROR: watchdog: {self.stalled}', 'error')
                 self.metrics.watchdog_stalls.inc()
         elif self.stalled is not None and quiet <= self.watchdog_timeout:
@@ -322,14 +331,12 @@ class Frontend:
 
     def _log_stats(self, seconds: float, last_tokens: int) -> int:
         "Log throughput and load if anything happened; returns the token count to compare with next time."
-        s = self.stats
-        tokens = s.get('generated_tokens', 0)
-        if tokens != last_tokens or s.get('running') or s.get('waiting'):
-            pages, queries = s.get('num_pages', 0) or 1, s.get('prefix_queries', 0)
-            used = 1 - (s.get('free_pages', 0) + s.get('evictable_pages', 0)) / pages
-            log(f"generation {(tokens - last_tokens) / seconds:.1f} tok/s, running {s.get('running', 0)}, "
-                f"waiting {s.get('waiting', 0)}, KV cache {100 * used:.1f}% used, "
-                f"prefix cache hit rate {100 * s.get('prefix_hits', 0) / queries if queries else 0:.1f}%")
+        counters = self.stats
+        tokens = counters.get('generated_tokens', 0)
+        if tokens != last_tokens or counters.get('running') or counters.get('waiting'):
+            log(f"generation {(tokens - last_tokens) / seconds:.1f} tok/s, running {counters.get('running', 0)}, "
+                f"waiting {counters.get('waiting', 0)}, KV cache {100 * _kv_cache_usage(counters):.1f}% used, "
+                f'prefix cache hit rate {100 * _prefix_hit_rate(counters):.1f}%')
         return tokens
 
     def fail_all(self, status: int, message: str):
@@ -554,16 +561,16 @@ def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_byte
         frontend.check_model(body.model)
         structured, grammar_field = structured_outputs_from(body)
         sp = sampling_params_from(body, structured)
-        prompt = body.prompt
-        prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
+        prompts = body.prompt      # a text or a token list, or a list of them
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)): prompts = [prompts]
         if not prompts: raise ApiError(400, 'prompt: the prompt is empty', 'prompt')
         if len(prompts) > MAX_PROMPTS:
             raise ApiError(400, f'prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}', 'prompt')
-        params = asdict(sp)
-        reqs = [GenerateReq(f'cmpl-{uuid.uuid4().hex}', params, prompt=q, echo=body.echo, grammar_field=grammar_field)
-                if isinstance(q, str) else
-                GenerateReq(f'cmpl-{uuid.uuid4().hex}', params, prompt_ids=q, echo=body.echo, grammar_field=grammar_field)
-                for q in prompts]
+        params, reqs = asdict(sp), []
+        for prompt in prompts:
+            text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
+            reqs.append(GenerateReq(f'cmpl-{uuid.uuid4().hex}', params, prompt=text, prompt_ids=ids, echo=body.echo,
+                                    grammar_field=grammar_field))
         return await run(request, body, reqs, sp, 'completion')
 
     @app.post('/v1/chat/completions')
@@ -571,10 +578,12 @@ def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_byte
         frontend.check_model(body.model)
         tools = ToolCalling(body.tools, body.tool_choice, body.parallel_tool_calls)
         structured, grammar_field = structured_outputs_from(body)
-        if tools.structured_outputs() is not None:     # `required` or a named function: a grammar makes the call
+        tool_grammar = tools.structured_outputs()
+        if tool_grammar is not None:     # `required` or a named function: a grammar makes the call
             if structured is not None:
-                raise ApiError(400, f'{grammar_field} cannot be combined with tool_choice {tools.choice!r}', grammar_field)
-            structured, grammar_field = tools.structured_outputs(), 'tool_choice'
+                message = f'{grammar_field} cannot be combined with tool_choice {tools.choice!r}'
+                raise ApiError(400, message, grammar_field)
+            structured, grammar_field = tool_grammar, 'tool_choice'
         sp = sampling_params_from(body, structured)
         if not body.messages: raise ApiError(400, 'messages: at least one message is required', 'messages')
         req = GenerateReq(f'chat-{uuid.uuid4().hex}', asdict(sp), messages=body.messages, tools=tools.template_tools,

@@ -6,10 +6,12 @@
 from __future__ import annotations
 import os, resource, signal, sys, tempfile, threading, traceback
 import multiprocessing as mp
+from multiprocessing.connection import Connection
 from typing import Callable, Sequence
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from ..processes import exit_words
 from .messages import log, return_freed_memory
 from .tokenizer import run_tokenizer_process
 from .scheduler import integrity_mode, run_scheduler_process
@@ -46,29 +48,35 @@ class Workers:
         "Start both processes and wait until they are ready; returns what they reported."
         ctx = mp.get_context('spawn')
         scheduler_args = (self.path, self.engine_kwargs, self.ipc, self.integrity_check, self.debug_hooks)
+        tokenizer_args = (self.path, self.ipc, self.chat_template, self.debug_hooks)
         mains = {'scheduler': (run_scheduler_process, scheduler_args),
-                 'tokenizer': (run_tokenizer_process, (self.path, self.ipc, self.chat_template, self.debug_hooks))}
-        waiting, info = {}, {'path': self.path}     # name -> the pipe its 'ready' or 'error' comes on
+                 'tokenizer': (run_tokenizer_process, tokenizer_args)}
+        pipes = {}     # name -> the pipe its 'ready' or 'error' comes on
         for name, (main, args) in mains.items():
             receive, send = ctx.Pipe(duplex=False)
             process = ctx.Process(target=_worker_entry, args=(main, name, send, os.getpid(), *args),
                                   name=f'nanoserve-{name}')
             process.start()
             send.close()
-            self.procs[name], waiting[name] = process, receive
-        while waiting:
-            for name, conn in list(waiting.items()):
+            self.procs[name], pipes[name] = process, receive
+        return {'path': self.path, **self._wait_ready(pipes)}
+
+    def _wait_ready(self, pipes: dict[str, Connection]) -> dict:
+        "What the processes report once ready; `WorkerStartError` as soon as one reports a failure or ends."
+        info = {}
+        while pipes:
+            for name, conn in list(pipes.items()):
                 process = self.procs[name]
                 try: kind, payload = conn.recv() if conn.poll(0.05) else (None, None)
-                except EOFError:
+                except EOFError:            # the pipe closed without a word: the process has ended, or is ending
                     process.join(5)
-                    kind, payload = 'error', f'exit code {process.exitcode}'
+                    kind, payload = None, None
                 if kind is None and not process.is_alive(): kind, payload = 'error', exit_words(process.exitcode)
                 if kind == 'error': raise WorkerStartError(f'the {name} process failed to start: {payload}')
                 if kind == 'ready':
                     info.update(payload)
                     conn.close()
-                    del waiting[name]
+                    del pipes[name]
         return info
 
     def dead(self) -> tuple[str, int] | None:
@@ -158,7 +166,8 @@ class _Server(uvicorn.Server):
             log(f'ready: serving {frontend.model_name} at {scheme}://{config.host}:{config.port}{config.root_path} '
                 f"(max_model_len {frontend.info.get('max_model_len')}; {keys})")
             if not self.num_keys and config.host not in ('127.0.0.1', 'localhost', '::1'):
-                log(f'WARNING: listening on {config.host} without an API key: whoever reaches the port uses the model', 'warning')
+                log(f'WARNING: listening on {config.host} without an API key: whoever reaches the port uses the model',
+                    'warning')
 
     async def shutdown(self, sockets=None):
         self.frontend.fail_all(503, self.frontend.fatal or 'the server is shutting down')

@@ -133,7 +133,8 @@ def _refuse_oversized(body: _SamplingRequest):
     "400 for more choices, stop strings or stop token ids than the server takes, or a stop string too long."
     if body.n > MAX_N: raise ApiError(400, f'n must be <= {MAX_N}, got {body.n}', 'n')
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    for name, count, most in [('stop', len(stop), MAX_STOP), ('stop_token_ids', len(body.stop_token_ids or []), MAX_STOP),
+    for name, count, most in [('stop', len(stop), MAX_STOP),
+                              ('stop_token_ids', len(body.stop_token_ids or []), MAX_STOP),
                               ('bad_words', len(body.bad_words or []), MAX_STOP),
                               ('logit_bias', len(body.logit_bias or {}), MAX_LOGIT_BIAS)]:
         if count > most: raise ApiError(400, f'{name} must have at most {most} entries, got {count}', name)
@@ -196,17 +197,18 @@ def _response_format(value: dict) -> dict | None:
         return {'json': spec.get('schema') or {'type': 'object'}}
     raise ValueError(f"response_format: type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
-def structured_outputs_from(body: CompletionRequest | ChatCompletionRequest) -> tuple[StructuredOutputsParams | None, str | None]:
+def structured_outputs_from(body: CompletionRequest | ChatCompletionRequest,
+                           ) -> tuple[StructuredOutputsParams | None, str | None]:
     "The grammar the request asks for, and the field it came from; `ApiError` 400 naming the field if it is malformed."
     given = [name for name in ('response_format', 'structured_outputs', *_GUIDED) if getattr(body, name) is not None]
     if len(given) > 1: raise ApiError(400, f'only one of {", ".join(given)} may be given', given[1])
     if not given: return None, None
     name, value = given[0], getattr(body, given[0])
     try:
-        if name == 'response_format': fields_ = _response_format(value)
-        elif name == 'structured_outputs': fields_ = dict(value)
-        else: fields_ = {_GUIDED[name]: value}
-        return (StructuredOutputsParams(**fields_) if fields_ is not None else None), name
+        if name == 'response_format': grammar_fields = _response_format(value)
+        elif name == 'structured_outputs': grammar_fields = dict(value)
+        else: grammar_fields = {_GUIDED[name]: value}
+        return (StructuredOutputsParams(**grammar_fields) if grammar_fields is not None else None), name
     except (TypeError, ValueError) as e:
         message = str(e).removeprefix('structured_outputs: ').removeprefix('response_format: ')
         raise ApiError(400, f'{name}: {message}', name) from None
@@ -238,8 +240,8 @@ class ToolCalling:
             if self.named not in self.schemas:
                 raise ApiError(400, f'tool_choice: names no function of tools, got {tool_choice!r}', 'tool_choice')
         elif self.choice not in ('none', 'auto', 'required'):
-            raise ApiError(400, f"tool_choice must be 'none', 'auto', 'required' or a named function, got {tool_choice!r}",
-                           'tool_choice')
+            raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or a named function, "
+                                f'got {tool_choice!r}', 'tool_choice')
         elif self.choice != 'none' and not self.tools:
             raise ApiError(400, f'tool_choice: {self.choice!r} needs tools', 'tool_choice')
 
@@ -254,7 +256,8 @@ class ToolCalling:
                 raise ApiError(400, f'tools: each tool must be {{"type": "function", "function": {{"name": ...}}}}, '
                                     f'got {tool!r}', 'tools')
             parameters = function.get('parameters', {'type': 'object'})
-            if not isinstance(parameters, dict): raise ApiError(400, 'tools: parameters must be a JSON schema object', 'tools')
+            if not isinstance(parameters, dict):
+                raise ApiError(400, 'tools: parameters must be a JSON schema object', 'tools')
             self.schemas[function['name']] = parameters
         return tools
 
@@ -279,7 +282,8 @@ class ToolCalling:
 
     def _call(self, name: str, arguments) -> dict:
         arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        return {'id': f'call_{uuid.uuid4().hex[:24]}', 'type': 'function', 'function': {'name': name, 'arguments': arguments}}
+        return {'id': f'call_{uuid.uuid4().hex[:24]}', 'type': 'function',
+                'function': {'name': name, 'arguments': arguments}}
 
     def parse(self, text: str) -> tuple[str | None, list[dict]]:
         "The reply's text less its tool calls (None if nothing is left), and the calls."
@@ -329,9 +333,10 @@ class ToolCallStream:
         self.held.pop(index, None)
         content, calls = self.tools.parse(held)
         out = [{'content': content}] if content else []
-        for k, call in enumerate(calls):
-            head = {'index': k, 'id': call['id'], 'type': 'function', 'function': {'name': call['function']['name'], 'arguments': ''}}
-            out += [{'tool_calls': [head]}, {'tool_calls': [{'index': k, 'function': {'arguments': call['function']['arguments']}}]}]
+        for k, call in enumerate(calls):       # each call in two deltas: its id and name, then its arguments
+            name, arguments = call['function']['name'], call['function']['arguments']
+            head = {'index': k, 'id': call['id'], 'type': 'function', 'function': {'name': name, 'arguments': ''}}
+            out += [{'tool_calls': [head]}, {'tool_calls': [{'index': k, 'function': {'arguments': arguments}}]}]
         return out, bool(calls)
 
     def chunks(self, out: TextOut, fmt: ResponseFormat) -> list[dict]:
@@ -405,12 +410,13 @@ class ResponseFormat:
                  include_usage: bool = False,
                  tokens_as_ids: bool = False,    # name logprobs' tokens 'token_id:{id}' (return_tokens_as_token_ids)
                  echo: bool = False,             # completions: the prompt (and its logprobs) before the completion
-                 echo_only: bool = False,        # completions: the prompt alone (max_tokens 0); the token sampled is dropped
+                 echo_only: bool = False,        # completions: the prompt alone (max_tokens 0), sampled token dropped
                  chat_prefix: str = '',          # chat: what the reply starts with (vLLM's echo of the last message)
                  prompt_logprobs: bool = False,  # vLLM's `prompt_logprobs` field, per choice (chat: per response)
                  continuous_usage: bool = False):   # the usage so far in every chunk
         self.kind, self.model, self.want_logprobs, self.include_usage = kind, model, logprobs, include_usage
-        self.tokens_as_ids, self.echo, self.echo_only, self.chat_prefix = tokens_as_ids, echo or echo_only, echo_only, chat_prefix
+        self.tokens_as_ids, self.chat_prefix = tokens_as_ids, chat_prefix
+        self.echo, self.echo_only = echo or echo_only, echo_only
         self.want_prompt_logprobs, self.continuous_usage = prompt_logprobs, continuous_usage
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -439,17 +445,19 @@ class ResponseFormat:
         for _, text, _, _ in entries:
             offsets.append(offset)
             offset += len(text)
+        top_logprobs = [None if logprob is None else {self.token(token_id, text): lp for token_id, text, lp in top}
+                        for _, _, logprob, top in entries]      # the first prompt token has none (echo)
         return {'tokens': [self.token(token_id, text) for token_id, text, _, _ in entries],
                 'token_logprobs': [logprob for _, _, logprob, _ in entries],
-                'top_logprobs': [None if logprob is None else {self.token(token_id, text): lp for token_id, text, lp in top}
-                                 for _, _, logprob, top in entries],   # the first prompt token has none (echo)
+                'top_logprobs': top_logprobs,
                 'text_offset': offsets}
 
     def vllm_prompt_logprobs(self, entries: list | None) -> list | None:
         "vLLM's `prompt_logprobs`: per prompt token (the first None), {token id: {'logprob', 'decoded_token'}}."
         if entries is None: return None
-        def one(token_id, text, logprob): return {str(token_id): {'logprob': logprob, 'decoded_token': self.token(token_id, text)}}
-        return [None if logprob is None else {**one(token_id, text, logprob), **{k: v for t in top for k, v in one(*t).items()}}
+        def item(token_id, text, logprob):
+            return str(token_id), {'logprob': logprob, 'decoded_token': self.token(token_id, text)}
+        return [None if logprob is None else dict([item(token_id, text, logprob)] + [item(*t) for t in top])
                 for token_id, text, logprob, top in entries]
 
     def _text_and_entries(self, text: str, entries: list, prompt_text: str | None, prompt_entries: list | None):
@@ -492,7 +500,8 @@ class ResponseFormat:
         for c in choices:
             text, entries = self._text_and_entries(c.text, c.logprobs, c.prompt_text, c.prompt_logprobs)
             finish, stop_reason = self._finish(c.finish_reason, c.stop_reason)
-            choice = {'index': c.index, 'logprobs': self.logprobs(entries), 'finish_reason': finish, 'stop_reason': stop_reason}
+            choice = {'index': c.index, 'logprobs': self.logprobs(entries), 'finish_reason': finish,
+                      'stop_reason': stop_reason}
             if self.kind == 'chat': choice['message'] = {'role': 'assistant', 'content': self.chat_prefix + text}
             else: choice['text'] = text
             if self.want_prompt_logprobs and self.kind == 'completion':

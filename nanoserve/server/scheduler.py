@@ -136,12 +136,14 @@ class SchedulerWorker:
             self.integrity = f'failed: {e}'
             self.integrity_violations += 1
             if self.integrity_check == 'raise': raise IntegrityError(f'the idle integrity check failed: {e}') from e
-            log(f'WARNING: the idle integrity check failed: {e} ({self.integrity_violations} so far); still serving', 'warning')
+            log(f'WARNING: the idle integrity check failed: {e} ({self.integrity_violations} so far); still serving',
+                'warning')
 
     def stats(self) -> dict:
         "Counters for `/metrics`."
-        counters = dict(self.scheduler.stats()) if self.scheduler is not None else {}
-        if self.scheduler is not None: counters['num_pages'] = self.scheduler.allocator.num_pages
+        counters = {}
+        if self.scheduler is not None:
+            counters = dict(self.scheduler.stats(), num_pages=self.scheduler.allocator.num_pages)
         counters.update(generated_tokens=self.generated_tokens, aborted=self.aborted, steps=self.steps,
                         integrity=self.integrity, integrity_violations=self.integrity_violations)
         return counters

@@ -67,7 +67,7 @@ class TokenizerWorker:
 
     def chat_text(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
                   continue_final_message: bool = False) -> str:
-        "A conversation as prompt text: the chat template (given the tools), the assistant's turn opened or the last message left open."
+        "A conversation as prompt text: the chat template given the tools, with a turn opened or the last message open."
         if not all(isinstance(m, dict) and isinstance(m.get('role'), str) for m in messages):
             raise ValueError("messages: each message must be an object with a 'role'")
         conversation = [dict(m, content=_text_content(m.get('content')), **_calls_as_objects(m)) for m in messages]
@@ -100,8 +100,8 @@ class TokenizerWorker:
             sp = SamplingParams(**msg.params)
             if sp.bad_words: sp.tokenize_bad_words(self.tokenizer)
         except Exception as e:   # template errors come as jinja2 or ValueError; all are the request's fault
-            text = str(e)
-            return ErrorOut(msg.rid, text if text.startswith(param) else f'{param}: {text}', 400, param)
+            why = str(e)
+            return ErrorOut(msg.rid, why if why.startswith(param) else f'{param}: {why}', 400, param)
         if not ids: return ErrorOut(msg.rid, f'{param}: the prompt is empty', 400, param)
         if sp.structured_outputs is not None:   # the grammar library checks the schema, regex or grammar (chapter 09a)
             from nanoserve.structured import build_grammar    # here, not at the top: the API process never loads torch
@@ -110,11 +110,14 @@ class TokenizerWorker:
             except ValueError as e: return ErrorOut(msg.rid, str(e), 400, field)
         self.params[msg.rid] = sp
         if msg.echo or sp.prompt_logprobs is not None:
-            self.prompts[msg.rid] = (ids, (msg.prompt if msg.prompt is not None else self.tokenizer.decode(ids)) if msg.echo else None)
+            echoed = None
+            if msg.echo: echoed = msg.prompt if msg.prompt is not None else self.tokenizer.decode(ids)
+            self.prompts[msg.rid] = (ids, echoed)
         if self._fail_next is not None:
             self._failing[msg.rid], self._fail_next = self._fail_next, None
         for k in range(sp.n): self.detoks[(msg.rid, k)] = self._detokenizer(self.tokenizer, ids, sp)
-        params = dict(msg.params, bad_words_token_ids=[list(s) for s in sp.bad_words_token_ids]) if sp.bad_words else msg.params
+        params = msg.params
+        if sp.bad_words: params = dict(msg.params, bad_words_token_ids=[list(s) for s in sp.bad_words_token_ids])
         return TokenizedReq(msg.rid, ids, params)
 
     def forget(self, rid: str, index: int = -1):
@@ -133,6 +136,10 @@ class TokenizerWorker:
         "A token's text alone (for the logprobs), remembered."
         if token not in self._token_strs: self._token_strs[token] = self.tokenizer.decode([token])
         return self._token_strs[token]
+
+    def _logprob_entry(self, token: int, logprob: float | None, top: list) -> list:
+        "One token's logprobs as `TextOut` carries them: [id, token string, logprob, [[top id, string, logprob], ...]]."
+        return [token, self.token_str(token), logprob, [[i, self.token_str(i), lp] for i, lp in top]]
 
     def detokenize(self, step: StepOut) -> tuple[ReplyOut, list[AbortReq]]:
         "One step's tokens as text deltas; and the requests to stop: those that hit a stop string or failed here."
@@ -168,7 +175,7 @@ class TokenizerWorker:
             stop_reason = t.token_ids[-1]
         logprobs = None
         if t.logprobs is not None:
-            logprobs = [[token, self.token_str(token), logprob, [[i, self.token_str(i), lp] for i, lp in top]]
+            logprobs = [self._logprob_entry(token, logprob, top)
                         for token, (logprob, top) in zip(t.token_ids, t.logprobs)]
         out = TextOut(t.rid, t.index, text, t.token_ids, logprobs, finish, stop_reason, t.prompt_len, t.cached_len)
         if first and t.rid in self.prompts: self.add_prompt(out, t.prompt_logprobs)
@@ -178,9 +185,8 @@ class TokenizerWorker:
         "Put the echoed prompt text and the prompt logprobs (with token strings) on a choice's first output."
         ids, out.prompt_text = self.prompts[out.rid]
         if prompt_logprobs is None: return
-        out.prompt_logprobs = [[ids[0], self.token_str(ids[0]), None, []]] + [
-            [token, self.token_str(token), logprob, [[i, self.token_str(i), lp] for i, lp in top]]
-            for token, (logprob, top) in zip(ids[1:], prompt_logprobs)]
+        out.prompt_logprobs = [self._logprob_entry(ids[0], None, [])] + [       # the first token has no logprob
+            self._logprob_entry(token, logprob, top) for token, (logprob, top) in zip(ids[1:], prompt_logprobs)]
 
 # %% ../../nbs/14c_tokenizer.ipynb #c3a7e3af
 def run_tokenizer_process(ready: Connection,        # says 'ready' (with its pid, `max_token_chars`) once listening
