@@ -12,10 +12,10 @@ from .config import ENGINE_FLAGS, EngineConfig, ModelConfig, add_dataclass_flags
 from .model import resolve_model_path
 from .llm import make_engine
 from .checkpoints import resolve_model
-from .bench import (PERSON_SCHEMA, ablations, compare, decode_sweep, environment, environment_line, figure_class,
-                             gpu_benchmark, load_transformers, online_benchmark, plot_ablations, plot_decode_sweep,
-                             plot_stream_times, random_workload, result_table, scheduler_overhead, shared_prefix_workload,
-                             step_cost, structured_benchmark)
+from .bench import (PERSON_SCHEMA, Workload, ablations, compare, decode_sweep, environment, environment_line,
+                             figure_class, gpu_benchmark, load_transformers, online_benchmark, plot_ablations,
+                             plot_decode_sweep, plot_stream_times, random_workload, result_table, scheduler_overhead,
+                             shared_prefix_workload, step_cost, structured_benchmark)
 
 # %% auto #0
 __all__ = ['build_parser', 'main']
@@ -37,7 +37,8 @@ def _random_args(p: argparse.ArgumentParser, num_requests: int = 64, output_len:
 
 def build_parser() -> argparse.ArgumentParser:
     "The `nanoserve bench` argument parser: one subcommand per benchmark."
-    parser = argparse.ArgumentParser(prog='nanoserve bench', description='nanoserve benchmarks: each prints a table; --json also writes the figures.')
+    description = 'nanoserve benchmarks: each prints a table; --json also writes the figures.'
+    parser = argparse.ArgumentParser(prog='nanoserve bench', description=description)
     sub = parser.add_subparsers(dest='bench', metavar='BENCHMARK', required=True)
     def command(name, help):
         p = sub.add_parser(name, help=help, description=help)
@@ -50,12 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     _random_args(p)
     p = command('shared-prefix', 'groups of requests sharing a long prefix, beside transformers generate')
     _model_args(p)
-    for flag, default in [('--groups', 8), ('--per-group', 8), ('--prefix-len', 512), ('--question-len', 32), ('--output-len', 32)]:
+    shared_prefix_defaults = [('--groups', 8), ('--per-group', 8), ('--prefix-len', 512), ('--question-len', 32),
+                              ('--output-len', 32)]
+    for flag, default in shared_prefix_defaults:
         p.add_argument(flag, type=int, default=default, help=f'(default: {default})')
     p = command('decode', 'decode throughput against batch size and the compute ceiling, beside transformers')
     _model_args(p)
     p.add_argument('--batch-sizes', type=int, nargs='+', default=[1, 8, 32, 64, 128])
-    p.add_argument('--context', type=int, default=256, help='tokens in each request when decoding starts (default: 256)')
+    p.add_argument('--context', type=int, default=256,
+                   help='tokens in each request when decoding starts (default: 256)')
     p.add_argument('--steps', type=int, default=32, help='decode steps timed per batch size (default: 32)')
     p.add_argument('--plot', metavar='PNG', help='also plot throughput against batch size')
     p = command('ablations', 'overlap scheduling on/off (random workload) and the radix cache on/off (shared prefixes)')
@@ -67,18 +71,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = command('online', 'Poisson arrivals against a running server: TTFT, inter-token latency, throughput')
     _model_args(p, peer=False)
     p.add_argument('--rate', type=float, nargs='+', default=[2.0],
-                   help="requests per second, one run for each rate given (a sweep); 'inf' sends all at once (default: 2)")
-    p.add_argument('--max-duration', type=float, default=120.0, help='stop sending after this many seconds (default: 120)')
-    p.add_argument('--url', help='benchmark the OpenAI-compatible server already running there instead (engine flags unused)')
+                   help="requests per second, one run for each rate given (a sweep); "
+                        "'inf' sends all at once (default: 2)")
+    p.add_argument('--max-duration', type=float, default=120.0,
+                   help='stop sending after this many seconds (default: 120)')
+    p.add_argument('--url',
+                   help='benchmark the OpenAI-compatible server already running there instead (engine flags unused)')
     p.add_argument('--plot', metavar='PNG', help="also plot the token times of the stream with the longest gap")
     _random_args(p, num_requests=32, output_len=(32, 128))
-    p = command('step-cost', "one step's time against the prompt tokens it carries beside a few decodes (the step budget)")
+    p = command('step-cost',
+                "one step's time against the prompt tokens it carries beside a few decodes (the step budget)")
     _model_args(p, peer=False)
-    p.add_argument('--budgets', type=int, nargs='+', default=[0, 16, 32, 64, 128, 256, 512], help='prompt tokens per step')
+    p.add_argument('--budgets', type=int, nargs='+', default=[0, 16, 32, 64, 128, 256, 512],
+                   help='prompt tokens per step')
     p.add_argument('--decodes', type=int, default=8, help='decodes in every step (default: 8)')
     p.add_argument('--context', type=int, default=256, help="the decodes' context (default: 256)")
     p.add_argument('--repeats', type=int, default=3, help='steps timed per budget, the median kept (default: 3)')
-    p = command('structured', 'the same random requests as free text and constrained to a JSON schema; the masks of one step')
+    p = command('structured',
+                'the same random requests as free text and constrained to a JSON schema; the masks of one step')
     _model_args(p, peer=False)
     _random_args(p, num_requests=32, output_len=(64, 64))
     p.add_argument('--schema', help='a JSON schema file (default: a person with name, age, city and tags)')
@@ -86,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--batch-size', type=int, default=256)
     p.add_argument('--steps', type=int, default=32)
     p.add_argument('--prompt-len', type=int, default=64)
-    p = command('gpu', "nano-vllm's workload on Qwen3-0.6B-shaped random weights, batch-1 latency, decode-attention bandwidth (CUDA)")
+    p = command('gpu', "nano-vllm's workload on Qwen3-0.6B-shaped random weights, batch-1 latency, "
+                       "decode-attention bandwidth (CUDA)")
     p.add_argument('--requests', type=int, default=256)
     p.add_argument('--no-peer', action='store_true', help='skip transformers (the side-by-side peer)')
     return parser
@@ -96,6 +107,10 @@ def _vocab(model: str) -> tuple[int, int]:
     hi = min(10000, ModelConfig.from_pretrained(resolve_model_path(model)).vocab_size)
     return min(100, hi // 2), hi
 
+def _random_workload(args: argparse.Namespace, vocab: tuple[int, int]) -> Workload:
+    "The random workload that the flags of `_random_args` describe."
+    return random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
+
 def main(argv: Sequence[str] | None = None) -> int:
     "`nanoserve bench BENCHMARK ...`: run one benchmark, print its table, optionally write JSON and a plot."
     parser = build_parser()
@@ -103,41 +118,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, 'plot', None):
         try: figure_class()
         except ImportError as e: parser.error(f'--plot: {e}')
-    if args.threads: torch.set_num_threads(args.threads); os.environ['OMP_NUM_THREADS'] = str(args.threads)   # (and the server's)
-    res, kind = dict(benchmark=args.bench, argv=list(argv or sys.argv[1:]), environment=environment()), args.bench
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        os.environ['OMP_NUM_THREADS'] = str(args.threads)   # (and the server's)
+    kind = args.bench
+    res = dict(benchmark=kind, argv=list(argv or sys.argv[1:]), environment=environment())
     if kind in ('random', 'shared-prefix', 'decode', 'ablations', 'online', 'step-cost', 'structured'):
         engine_kwargs = dataclass_kwargs(args, _ENGINE_FLAGS)
-        try: EngineConfig(model=args.model, **engine_kwargs)      # range errors first, before a model is converted or loaded
+        # range errors first, before a model is converted or loaded
+        try: EngineConfig(model=args.model, **engine_kwargs)
         except ValueError as e: parser.error(str(e))
         model = resolve_model(args.model, verbose=True)
         vocab = _vocab(model)
     if kind in ('random', 'shared-prefix', 'decode', 'step-cost', 'structured'):
         engine = make_engine(EngineConfig(model=model, **engine_kwargs))
-        peer = None if kind in ('step-cost', 'structured') or args.no_peer else load_transformers(model, engine.worker.dtype)
+        without_peer = kind in ('step-cost', 'structured') or args.no_peer
+        peer = None if without_peer else load_transformers(model, engine.worker.dtype)
     if kind == 'random':
-        wl = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
-        res.update(compare(engine, peer, wl))
+        res.update(compare(engine, peer, _random_workload(args, vocab)))
     elif kind == 'shared-prefix':
-        wl = shared_prefix_workload(args.groups, args.per_group, args.prefix_len, args.question_len, args.output_len, vocab, args.seed)
-        res.update(compare(engine, peer, wl))
+        workload = shared_prefix_workload(args.groups, args.per_group, args.prefix_len, args.question_len,
+                                          args.output_len, vocab, args.seed)
+        res.update(compare(engine, peer, workload))
     elif kind == 'decode':
         res.update(decode_sweep(engine, peer, args.batch_sizes, args.context, args.steps, vocab))
         if args.plot: plot_decode_sweep(res, args.plot, f'{Path(model).name}: decode, context {args.context}')
     elif kind == 'ablations':
-        abl = ablations(model, random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed),
-                        shared_prefix_workload(args.groups, 8, args.prefix_len, vocab=vocab, seed=args.seed), **engine_kwargs)
-        res.update(abl)
-        if args.plot: plot_ablations(abl, args.plot, f'{Path(model).name} ablations')
+        shared_prefix = shared_prefix_workload(args.groups, 8, args.prefix_len, vocab=vocab, seed=args.seed)
+        ablation_results = ablations(model, _random_workload(args, vocab), shared_prefix, **engine_kwargs)
+        res.update(ablation_results)
+        if args.plot: plot_ablations(ablation_results, args.plot, f'{Path(model).name} ablations')
     elif kind == 'online':
-        wl = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
-        res.update(online_benchmark(model, wl, args.rate, args.max_duration, args.seed, args.url, **engine_kwargs))
+        res.update(online_benchmark(model, _random_workload(args, vocab), args.rate, args.max_duration, args.seed,
+                                    args.url, **engine_kwargs))
         if args.plot: plot_stream_times({f"{run['rate']}/s": run for run in res['runs']}, args.plot)
     elif kind == 'step-cost':
         res.update(step_cost(engine, args.budgets, args.decodes, args.context, args.repeats, vocab, args.seed))
     elif kind == 'structured':
-        wl = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len), vocab, args.seed)
         schema = json.loads(Path(args.schema).read_text()) if args.schema else PERSON_SCHEMA
-        res.update(structured_benchmark(engine, wl, schema))
+        res.update(structured_benchmark(engine, _random_workload(args, vocab), schema))
     elif kind == 'scheduler':
         res.update(scheduler_overhead(args.batch_size, args.steps, args.prompt_len, seed=args.seed))
     else:

@@ -79,7 +79,8 @@ def _replica_flags(p: argparse.ArgumentParser):
     g.add_argument('--min-replicas', type=_count, default=None, metavar='N',
                    help="autoscale: Ray Serve's fewest replicas (default: 1 when --max-replicas is given)")
     g.add_argument('--max-replicas', type=_count, default=None, metavar='N',
-                   help="autoscale: Ray Serve's most replicas (default: --data-parallel-size when --min-replicas is given)")
+                   help="autoscale: Ray Serve's most replicas "
+                        "(default: --data-parallel-size when --min-replicas is given)")
     g.add_argument('--routing', choices=('prefix', 'ray'), default=None,
                    help="'prefix': to the replica that has the prompt's prefix cached, or else the one it hashes to, "
                         "unless far busier than the others; 'ray': Ray Serve's default (power of two choices) "
@@ -128,16 +129,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--dtype', choices=list(SAVE_DTYPES), default='bfloat16',
                    help='dtype of the saved weights (default: bfloat16)')
     p = command('check-kernels', _check_kernels, 'compile every Triton kernel for a GPU, on any machine (chapter 06)')
-    p.add_argument('--arch', action='append', metavar='ARCH', help='sm_80, sm_89, sm_90 or sm_100; repeat for several (default: sm_90)')
+    p.add_argument('--arch', action='append', metavar='ARCH',
+                   help='sm_80, sm_89, sm_90 or sm_100; repeat for several (default: sm_90)')
     p.add_argument('--workers', type=int, default=2, help='compiler processes (default: 2)')
     return parser
 
 def _checked(args: argparse.Namespace, sampling: bool = True) -> tuple[dict, SamplingParams | None]:
     "The engine kwargs and sampling params from `args`; a usage error (exit 2) when a value is out of range."
-    engine = dataclass_kwargs(args, ENGINE_FLAGS)
+    engine_kwargs = dataclass_kwargs(args, ENGINE_FLAGS)
     try:
-        EngineConfig(**engine)
-        return engine, SamplingParams(**dataclass_kwargs(args, SAMPLING_FLAGS)) if sampling else None
+        EngineConfig(**engine_kwargs)
+        return engine_kwargs, SamplingParams(**dataclass_kwargs(args, SAMPLING_FLAGS)) if sampling else None
     except ValueError as e: args.parser.error(str(e))
 
 def _quiet_transformers():
@@ -145,14 +147,14 @@ def _quiet_transformers():
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
 
-def _load(args: argparse.Namespace, engine: dict):
+def _load(args: argparse.Namespace, engine_kwargs: dict):
     from nanoserve.llm import LLM
     _quiet_transformers()
-    return LLM(resolve_model(args.model, verbose=True), tokenizer=args.tokenizer, **engine)
+    return LLM(resolve_model(args.model, verbose=True), tokenizer=args.tokenizer, **engine_kwargs)
 
 def _generate(args: argparse.Namespace) -> int:
-    engine, params = _checked(args)
-    llm = _load(args, engine)
+    engine_kwargs, params = _checked(args)
+    llm = _load(args, engine_kwargs)
     prompt = sys.stdin.read() if args.prompt == '-' else args.prompt
     if args.chat: out = llm.chat([{'role': 'user', 'content': prompt}], params, use_tqdm=False)
     else: out = llm.generate(prompt, params, use_tqdm=False)
@@ -197,8 +199,8 @@ def chat_shell(llm, params: SamplingParams, stdin: TextIO | None = None, stdout:
     return messages
 
 def _chat(args: argparse.Namespace) -> int:
-    engine, params = _checked(args)
-    chat_shell(_load(args, engine), params, system=args.system)
+    engine_kwargs, params = _checked(args)
+    chat_shell(_load(args, engine_kwargs), params, system=args.system)
     return 0
 
 def _missing(what: str, module: str, e: ImportError) -> int:
@@ -207,10 +209,10 @@ def _missing(what: str, module: str, e: ImportError) -> int:
     return 2
 
 def _serve(args: argparse.Namespace) -> int:
-    engine, _ = _checked(args, sampling=False)
-    ops = {k: getattr(args, k) for k in _SERVE_OPTIONS if getattr(args, k) is not None}
+    engine_kwargs, _ = _checked(args, sampling=False)
+    server_options = {k: getattr(args, k) for k in _SERVE_OPTIONS if getattr(args, k) is not None}
     replicas = {k: getattr(args, k) for k in _REPLICA_OPTIONS if getattr(args, k) is not None}
-    if replicas and 'limit_concurrency' in ops:
+    if replicas and 'limit_concurrency' in server_options:
         args.parser.error('--limit-concurrency applies to one server; with replicas, Ray Serve queues the requests')
     try:
         if replicas: from nanoserve.replicas import serve_replicas as serve
@@ -218,7 +220,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ImportError as e: return _missing('serve', 'ray' if replicas else 'nanoserve.server', e)
     _quiet_transformers()
     serve(resolve_model(args.model, verbose=True), host=args.host, port=args.port,
-          served_model_name=args.served_model_name or args.model, **replicas, **ops, **engine)
+          served_model_name=args.served_model_name or args.model, **replicas, **server_options, **engine_kwargs)
     return 0
 
 def _bench(argv: list[str]) -> int:
@@ -234,19 +236,24 @@ def _convert(args: argparse.Namespace) -> int:
 def _check_kernels(args: argparse.Namespace) -> int:
     "Compile the kernels for each architecture; a table per architecture; 1 if any configuration has a problem."
     if 'triton' in sys.modules and os.environ.get('TRITON_INTERPRET') == '1':
-        raise ValueError('check-kernels compiles the kernels, not interprets them: run it in a process without TRITON_INTERPRET=1')
+        raise ValueError('check-kernels compiles the kernels, not interprets them: '
+                         'run it in a process without TRITON_INTERPRET=1')
     os.environ.pop('TRITON_INTERPRET', None)
     from nanoserve.bench import format_table
     from nanoserve.kernels import check_kernels
+    header = ['kernel', 'configuration', 'warps', 'registers', 'spills', 'shared KB', 'occupancy', '']
     failed = False
     for arch in args.arch or ['sm_90']:
         rows = check_kernels(arch, args.workers)
-        cells = [(r['kernel'], r['config'], r.get('num_warps'), r.get('registers'), r.get('spills'),
-                  None if r.get('shared') is None else r['shared'] // 1024, f"{r['occupancy']:.0%}" if 'occupancy' in r else None,
-                  r['problem'] or 'ok') for r in rows]
+        cells = []
+        for row in rows:
+            shared_kb = None if row.get('shared') is None else row['shared'] // 1024
+            occupancy = f"{row['occupancy']:.0%}" if 'occupancy' in row else None
+            cells.append((row['kernel'], row['config'], row.get('num_warps'), row.get('registers'), row.get('spills'),
+                          shared_kb, occupancy, row['problem'] or 'ok'))
         print(f'{arch}: {len(rows)} compilations')
-        print(format_table(['kernel', 'configuration', 'warps', 'registers', 'spills', 'shared KB', 'occupancy', ''], cells))
-        failed = failed or any(r['problem'] for r in rows)
+        print(format_table(header, cells))
+        failed = failed or any(row['problem'] for row in rows)
     return 1 if failed else 0
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -75,7 +75,7 @@ class PrefixIndex:
 
 # %% ../nbs/17_replicas.ipynb #e17a0013
 class PrefixAwareRouter(RequestRouter):
-    "Ray Serve's routing with prefix affinity: to the replica sent the longest prefix of a prompt, else the least loaded."
+    "Ray Serve's routing with prefix affinity: to the replica sent a prompt's longest prefix, else the least loaded."
     def initialize_state(self, block_chars: int = 64, block_tokens: int = 16, max_blocks: int = 64,
                          capacity: int = 1 << 16, max_imbalance: int = 16):
         "Ray Serve calls this with the deployment's `request_router_kwargs`."
@@ -160,7 +160,8 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict:
         "What Ray Serve hands the routers every period: its processes, why it cannot serve, its metrics."
-        return {'pids': {'replica': os.getpid(), **self.workers.pids()}, 'node': ray.get_runtime_context().get_node_id(),
+        return {'pids': {'replica': os.getpid(), **self.workers.pids()},
+                'node': ray.get_runtime_context().get_node_id(),
                 'unavailable': self.frontend.unavailable(), 'stats': self.frontend.stats,
                 'metrics': self.frontend.metrics.render().decode()}
 
@@ -294,7 +295,7 @@ APP_NAME = 'nanoserve'
 ROUTINGS = ('prefix', 'ray')    # chapter 17's `PrefixAwareRouter`; Ray Serve's default (power of two choices)
 
 def replica_resources(tensor_parallel_size: int = 1, gpus: bool = False) -> dict:
-    "One replica's Ray resources: a bundle per rank, packed on one node (a GPU each, on GPUs); the replica in the first."
+    "One replica's Ray resources: a bundle per rank, packed on one node (a GPU each on GPUs); the replica in the first."
     bundle = {'CPU': 1, 'GPU': 1} if gpus else {'CPU': 1}
     return dict(ray_actor_options={'num_cpus': 1, 'num_gpus': 1 if gpus else 0},
                 placement_group_bundles=[bundle] * tensor_parallel_size, placement_group_strategy='STRICT_PACK')
@@ -332,7 +333,7 @@ def _raise_interrupt(signum, frame): raise KeyboardInterrupt
 
 def serve_replicas(model: str, host: str = '127.0.0.1', port: int = 8000, served_model_name: str | None = None,
                    data_parallel_size: int = 1,          # engine replicas (the initial number, when autoscaling)
-                   ray_address: str | None = None,       # join this Ray cluster ('auto': the local one); None: start one
+                   ray_address: str | None = None,       # join this Ray cluster ('auto': the local one), or start one
                    min_replicas: int | None = None,      # autoscale between these (Ray Serve's autoscaling) ...
                    max_replicas: int | None = None,
                    target_ongoing_requests: int = 32,    # ... aiming at this many requests in flight per replica
@@ -345,9 +346,11 @@ def serve_replicas(model: str, host: str = '127.0.0.1', port: int = 8000, served
     "Serve `model` with OpenAI's API at http://host:port from engine replicas on Ray Serve, until Ctrl-C or SIGTERM."
     path, name = os.path.expanduser(model), served_model_name or model
     scaling = replica_scaling(data_parallel_size, min_replicas, max_replicas, target_ongoing_requests)
-    most = max(data_parallel_size, max_replicas or 0) * engine_kwargs.get('tensor_parallel_size', 1)
-    local = dict(num_cpus=max(os.cpu_count() or 1, most), include_dashboard=False) if ray_address is None else {}
-    ray.init(address=ray_address, logging_level='WARNING', **local)
+    local_cluster = {}
+    if ray_address is None:    # a CPU for each rank of the most replicas there may be
+        most_ranks = max(data_parallel_size, max_replicas or 0) * engine_kwargs.get('tensor_parallel_size', 1)
+        local_cluster = dict(num_cpus=max(os.cpu_count() or 1, most_ranks), include_dashboard=False)
+    ray.init(address=ray_address, logging_level='WARNING', **local_cluster)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         gpus = engine_kwargs.get('device', 'auto') != 'cpu' and ray.cluster_resources().get('GPU', 0) > 0
@@ -355,8 +358,8 @@ def serve_replicas(model: str, host: str = '127.0.0.1', port: int = 8000, served
                                       keep_alive_timeout_s=timeout_keep_alive, ssl_keyfile=ssl_keyfile,
                                       ssl_certfile=ssl_certfile))
         app = replica_app(path, name, engine_kwargs, routing, gpus, scaling, chat_template, watchdog_timeout,
-                          integrity_check, drain_timeout, api_key=api_keys(api_key), max_request_bytes=max_request_bytes,
-                          body_timeout=body_timeout, stream_backlog=stream_backlog)
+                          integrity_check, drain_timeout, api_key=api_keys(api_key),
+                          max_request_bytes=max_request_bytes, body_timeout=body_timeout, stream_backlog=stream_backlog)
         log(f'starting {data_parallel_size} engine replica(s) of {name} on Ray Serve ({routing} routing)')
         serve.run(app, name=APP_NAME, route_prefix='/')
         scheme = 'https' if ssl_certfile else 'http'
