@@ -11,7 +11,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 from typing import Sequence
 import torch
-from .config import EngineConfig
+from .config import EngineConfig, cdiv
 from .req import Req, SamplingParams, StructuredOutputsParams
 from .pages import PageAllocator, PageTable
 from .scheduler import Scheduler
@@ -48,11 +48,13 @@ class Workload:
     def sampling_params(self, temperature: float = 0.0,
                         structured_outputs: StructuredOutputsParams | None = None) -> list[SamplingParams]:
         "One `SamplingParams` per request: exactly its output length, eos ignored."
-        return [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, structured_outputs=structured_outputs)
+        return [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
+                               structured_outputs=structured_outputs)
                 for n in self.output_lens]
 
     def __repr__(self):
-        return f'Workload({self.name!r}: {self.num_requests} requests, {self.input_tokens} input and {self.output_tokens} output tokens)'
+        return (f'Workload({self.name!r}: {self.num_requests} requests, '
+                f'{self.input_tokens} input and {self.output_tokens} output tokens)')
 
 def random_workload(num_requests: int = 64,
                     input_len: tuple[int, int] = (32, 256),    # prompt lengths, uniform in [lo, hi]
@@ -66,7 +68,7 @@ def random_workload(num_requests: int = 64,
 
 def shared_prefix_workload(num_groups: int = 8, per_group: int = 8, prefix_len: int = 512, question_len: int = 32,
                            output_len: int = 32, vocab: tuple[int, int] = (100, 10000), seed: int = 0) -> Workload:
-    "SGLang's generated-shared-prefix workload: `num_groups` long prefixes, each asked `per_group` different questions, in random order."
+    "SGLang's generated-shared-prefix workload: `num_groups` long prefixes, each asked `per_group` questions, shuffled."
     rng = random.Random(seed)
     prefixes = [[rng.randrange(*vocab) for _ in range(prefix_len)] for _ in range(num_groups)]
     prompts = [p + [rng.randrange(*vocab) for _ in range(question_len)] for p in prefixes for _ in range(per_group)]
@@ -75,8 +77,9 @@ def shared_prefix_workload(num_groups: int = 8, per_group: int = 8, prefix_len: 
 
 # %% ../nbs/15_bench.ipynb #3058fc54
 def run_nanoserve(engine, workload: Workload, temperature: float = 0.0,
-                  structured_outputs: StructuredOutputsParams | None = None) -> dict:   # every request's grammar, if any
-    "Generate `workload` on a nanoserve engine: output tokens per second of wall time, prefill included; and the outputs."
+                  structured_outputs: StructuredOutputsParams | None = None,   # every request's grammar, if any
+                 ) -> dict:
+    "Run `workload` on a nanoserve engine: its outputs, and output tokens per second of wall time, prefill included."
     warm = [workload.prompts[0][0]] * 8            # shorter than a page: leaves nothing in the prefix cache
     engine.generate([warm], SamplingParams(max_tokens=2, ignore_eos=True))
     hits = engine.scheduler.prefix_hits
@@ -86,66 +89,81 @@ def run_nanoserve(engine, workload: Workload, temperature: float = 0.0,
     outputs = [r.output_ids for r in reqs]
     tokens = sum(map(len, outputs))
     assert tokens == workload.output_tokens, f'generated {tokens} tokens, asked for {workload.output_tokens}'
-    return dict(engine='nanoserve', output_tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds, outputs=outputs,
-                cached_prompt_tokens=engine.scheduler.prefix_hits - hits)
+    return dict(engine='nanoserve', output_tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds,
+                outputs=outputs, cached_prompt_tokens=engine.scheduler.prefix_hits - hits)
 
 def left_padded(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     "Prompts as one batch, padded on the left: `input_ids` and `attention_mask` `[B, longest]`."
     width = max(map(len, prompts))
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p); mask[i, width - len(p):] = 1
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt):] = torch.tensor(prompt)
+        mask[i, width - len(prompt):] = 1
     return ids, mask
 
 def _sync(device: torch.device):
+    "Wait for the work queued on `device` (a no-op on a CPU)."
     if device.type == 'cuda': torch.cuda.synchronize(device)
 
+def _timed(device: torch.device, fn, *args, **kwargs) -> tuple:
+    "`fn(*args, **kwargs)` and the seconds it took, the work queued on `device` finished before and after."
+    _sync(device)
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    _sync(device)
+    return result, time.perf_counter() - start
+
 def greedy_config(model, max_new_tokens: int, pad_id: int = 0):
-    "A copy of the model's generation config for greedy decoding without eos: every row runs `max_new_tokens` steps (nanoserve's `ignore_eos`)."
-    gen = copy.deepcopy(model.generation_config)
-    gen.update(do_sample=False, eos_token_id=None, pad_token_id=pad_id, max_new_tokens=max_new_tokens, min_new_tokens=None,
-               temperature=None, top_p=None, top_k=None)
-    return gen
+    "The model's generation config, copied, for greedy decoding without eos: every row runs `max_new_tokens` steps."
+    config = copy.deepcopy(model.generation_config)
+    config.update(do_sample=False, eos_token_id=None, pad_token_id=pad_id, max_new_tokens=max_new_tokens,
+                  min_new_tokens=None, temperature=None, top_p=None, top_k=None)
+    return config
 
 def run_transformers(model, workload: Workload, pad_id: int = 0) -> dict:
-    "Generate `workload` with `transformers`' `generate` as its users batch: one left-padded batch run to the longest output; only the requested tokens count."
+    "`transformers`' `generate` on `workload` as its users batch: one left-padded batch, run to the longest output."
     ids, mask = (t.to(model.device) for t in left_padded(workload.prompts, pad_id))
-    new = max(workload.output_lens)
-    gen = greedy_config(model, new, pad_id)
+    max_new = max(workload.output_lens)
+    config = greedy_config(model, max_new, pad_id)
     with torch.inference_mode():
-        model.generate(input_ids=ids[:1, -8:], attention_mask=mask[:1, -8:], generation_config=gen, max_new_tokens=2)  # warm-up
-        _sync(model.device); start = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
-        _sync(model.device); seconds = time.perf_counter() - start
-    assert out.shape == (workload.num_requests, ids.shape[1] + new), f'transformers returned {tuple(out.shape)}'
-    outputs = [out[i, ids.shape[1]:ids.shape[1] + n].tolist() for i, n in enumerate(workload.output_lens)]
+        # warm-up
+        model.generate(input_ids=ids[:1, -8:], attention_mask=mask[:1, -8:], generation_config=config, max_new_tokens=2)
+        out, seconds = _timed(model.device, model.generate,
+                              input_ids=ids, attention_mask=mask, generation_config=config)
+    prompt_width = ids.shape[1]
+    assert out.shape == (workload.num_requests, prompt_width + max_new), f'transformers returned {tuple(out.shape)}'
+    outputs = [out[i, prompt_width:prompt_width + n].tolist() for i, n in enumerate(workload.output_lens)]
     return dict(engine='transformers', output_tokens=workload.output_tokens, seconds=seconds,
-                tokens_per_s=workload.output_tokens / seconds, computed_tokens=workload.num_requests * new, outputs=outputs)
+                tokens_per_s=workload.output_tokens / seconds, computed_tokens=workload.num_requests * max_new,
+                outputs=outputs)
 
 def load_transformers(path: str | Path, dtype: torch.dtype = torch.float32, device: str = 'cpu'):
     "The `transformers` model of a checkpoint directory, in eval mode: the peer."
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error(); hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
 
 def matmul_rate(n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.float32, device: str = 'cpu') -> float:
-    "This machine's matmul rate in FLOP/s: the best of `repeats` timed `n x n` products through MKL, oneDNN with a packed weight and the model's C product (a ceiling, so the best)."
+    "This machine's matmul FLOP/s: the best of `repeats` timed `n x n` products (MKL, packed oneDNN, the C product)."
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
-    best, fns = math.inf, [torch.mm]     # on a CPU also oneDNN with a packed weight, and the C product the model's linears use
+    # on a CPU also oneDNN with a packed weight, and the C product the model's linears use
+    best, products = math.inf, [torch.mm]
     if device == 'cpu' and dtype == torch.float32:
         if hasattr(torch.ops.mkldnn, '_reorder_linear_weight'):
             packed = torch.ops.mkldnn._reorder_linear_weight(b, 64)
-            fns.append(lambda a, b: torch.ops.mkldnn._linear_pointwise(a, packed, None, 'none', [], ''))
-        from nanoserve.cpu_kernels import cpu_kernels, linear_cpu, pack_panels   # the appendix's C product, when asked for
+            products.append(lambda a, b: torch.ops.mkldnn._linear_pointwise(a, packed, None, 'none', [], ''))
+        # the appendix's C product, when asked for
+        from nanoserve.cpu_kernels import cpu_kernels, linear_cpu, pack_panels
         if cpu_kernels() is not None:
             panels = pack_panels(b)
-            fns.append(lambda a, b: linear_cpu(a, panels))
-    for fn in fns:
+            products.append(lambda a, b: linear_cpu(a, panels))
+    for product in products:
         for _ in range(repeats + 1):    # the first is a warm-up
-            _sync(torch.device(device)); start = time.perf_counter(); fn(a, b); _sync(torch.device(device))
-            best = min(best, time.perf_counter() - start)
+            _, seconds = _timed(torch.device(device), product, a, b)
+            best = min(best, seconds)
     return 2 * n ** 3 / best
 
 def model_params(engine) -> int:
@@ -154,22 +172,24 @@ def model_params(engine) -> int:
 
 # %% ../nbs/15_bench.ipynb #25a4015c
 def compare(engine, peer, workload: Workload, pad_id: int = 0) -> dict:
-    "nanoserve and `transformers` on the same workload in one run, how many outputs agree, and the compute ceiling measured beside them."
+    "nanoserve and `transformers` on the same workload in one run, how many outputs agree, and the compute ceiling."
     rate = matmul_rate()
-    ns = run_nanoserve(engine, workload)
-    hf = run_transformers(peer, workload, pad_id) if peer is not None else None
+    ours = run_nanoserve(engine, workload)
+    theirs = run_transformers(peer, workload, pad_id) if peer is not None else None
     rate = max(rate, matmul_rate())
-    flops = 2 * model_params(engine)
-    res = dict(workload=workload.name, requests=workload.num_requests, input_tokens=workload.input_tokens,
-               output_tokens=workload.output_tokens, nanoserve=ns, transformers=hf, matmul_flops=rate,
-               compute_fraction=(workload.input_tokens - ns['cached_prompt_tokens'] + workload.output_tokens) * flops / ns['seconds'] / rate)
-    if hf is not None:
-        res['ratio'] = ns['tokens_per_s'] / hf['tokens_per_s']
-        res['same_outputs'] = sum(a == b for a, b in zip(ns['outputs'], hf['outputs']))   # greedy: both should agree
-        res['same_first_tokens'] = sum(a[:1] == b[:1] for a, b in zip(ns['outputs'], hf['outputs']))
-    for r in (ns, hf):
-        if r is not None: r.pop('outputs')
-    return res
+    flops_per_token = 2 * model_params(engine)
+    computed_tokens = workload.input_tokens - ours['cached_prompt_tokens'] + workload.output_tokens
+    result = dict(workload=workload.name, requests=workload.num_requests, input_tokens=workload.input_tokens,
+                  output_tokens=workload.output_tokens, nanoserve=ours, transformers=theirs, matmul_flops=rate,
+                  compute_fraction=computed_tokens * flops_per_token / ours['seconds'] / rate)
+    if theirs is not None:
+        result['ratio'] = ours['tokens_per_s'] / theirs['tokens_per_s']
+        pairs = list(zip(ours['outputs'], theirs['outputs']))
+        result['same_outputs'] = sum(a == b for a, b in pairs)   # greedy: both should agree
+        result['same_first_tokens'] = sum(a[:1] == b[:1] for a, b in pairs)
+    for run in (ours, theirs):
+        if run is not None: run.pop('outputs')
+    return result
 
 # %% ../nbs/15_bench.ipynb #9b87fc3e
 def environment() -> dict:
@@ -186,25 +206,27 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
         return f'{x:,}' if isinstance(x, int) else str(x)
     cells = [[cell(x) for x in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
-    line = lambda r: '  '.join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    def line(r): return '  '.join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
     return '\n'.join([line(header), line(['-' * w for w in widths])] + [line(r) for r in cells])
 
 def _compare_table(res: dict) -> str:
-    rows = [(r['engine'], res['requests'], r['output_tokens'], r['seconds'], r['tokens_per_s'])
-            for r in (res['nanoserve'], res['transformers']) if r is not None]
+    runs = [r for r in (res['nanoserve'], res['transformers']) if r is not None]
+    rows = [(r['engine'], res['requests'], r['output_tokens'], r['seconds'], r['tokens_per_s']) for r in runs]
     out = format_table(['engine', 'requests', 'output tokens', 's', 'tok/s'], rows)
     if res.get('ratio') is not None:
         out += (f"\nnanoserve / transformers: x{res['ratio']:.2f} (side by side, one run); greedy outputs identical: "
                 f"{res['same_outputs']} of {res['requests']} (first tokens: {res['same_first_tokens']})")
     return out + (f"\nnanoserve used {100 * res['compute_fraction']:.0f}% of the measured compute ceiling "
-                  f"({res['matmul_flops'] / 1e9:.0f} GFLOP/s fp32 matmul; the prompt tokens it computed and the output tokens "
-                  f"at 2 x params FLOPs each)")
+                  f"({res['matmul_flops'] / 1e9:.0f} GFLOP/s fp32 matmul; the prompt tokens it computed and the "
+                  f"output tokens at 2 x params FLOPs each)")
 
 def _sweep_table(res: dict) -> str:
-    rows = [(r['batch_size'], r['nanoserve'], r.get('transformers'), r['nanoserve'] / r['transformers'] if r.get('transformers') else None,
+    rows = [(r['batch_size'], r['nanoserve'], r.get('transformers'),
+             r['nanoserve'] / r['transformers'] if r.get('transformers') else None,
              f"{100 * r['ceiling_fraction']:.0f}%") for r in res['rows']]
+    ceiling = res['matmul_flops'] / res['flops_per_token']
     return (format_table(['batch', 'nanoserve tok/s', 'transformers tok/s', 'ratio', 'of ceiling'], rows) +
-            f"\ncontext {res['context']}, {res['steps']} steps; ceiling {res['matmul_flops'] / res['flops_per_token']:,.0f} tok/s "
+            f"\ncontext {res['context']}, {res['steps']} steps; ceiling {ceiling:,.0f} tok/s "
             f"= {res['matmul_flops'] / 1e9:.0f} GFLOP/s / {res['flops_per_token'] / 1e6:.0f} MFLOP per token")
 
 def _latency_table(res: dict) -> str:
@@ -214,8 +236,8 @@ def _latency_table(res: dict) -> str:
         spread = f"{itl['p99'] / itl['p50']:.1f}" if itl['p50'] else None
         rows.append((run['rate'], f"{run['completed']}/{run['sent']}", run['tokens_per_s'], ttft['p50'], ttft['p99'],
                      itl['p50'], itl['p99'], itl['max'], spread))
-    return format_table(['req/s', 'done', 'tok/s', 'TTFT p50 ms', 'TTFT p99 ms', 'ITL p50 ms', 'ITL p99 ms', 'ITL max ms',
-                         'ITL p99/p50'], rows)
+    return format_table(['req/s', 'done', 'tok/s', 'TTFT p50 ms', 'TTFT p99 ms', 'ITL p50 ms', 'ITL p99 ms',
+                         'ITL max ms', 'ITL p99/p50'], rows)
 
 def _step_cost_table(res: dict) -> str:
     rows = [(r['prompt_tokens'], r['ms'], f"{r['decode_steps']:.1f}") for r in res['rows']]
@@ -227,27 +249,30 @@ def _ablation_table(res: dict) -> str:
                         [(k, res[k]['on'], res[k]['off'], f"x{res[k]['gain']:.2f}") for k in ('overlap', 'radix')])
 
 def _scheduler_table(res: dict) -> str:
-    rows = [(name, *(res[key][k] for k in ('mean', 'p50', 'p99'))) for name, key in
-            [('scheduler (schedule, launch, process)', 'scheduler_ms'), ('worker host work (metadata, sampling batch)', 'worker_host_ms'),
-             ('total', 'total_ms')]]
+    parts = [('scheduler (schedule, launch, process)', 'scheduler_ms'),
+             ('worker host work (metadata, sampling batch)', 'worker_host_ms'), ('total', 'total_ms')]
+    rows = [(name, *(res[key][stat] for stat in ('mean', 'p50', 'p99'))) for name, key in parts]
     return format_table([f"ms per decode step at batch {res['batch_size']}", 'mean', 'p50', 'p99'], rows)
 
 GPU_TARGETS = {'throughput': 20000.0, 'batch1_ms': 1.5, 'attention_fraction': 0.70}   # the GPU targets of chapter 15
 
 def _gpu_table(res: dict) -> str:
-    att, ns, b1 = res['decode_attention'], res['nanoserve']['tokens_per_s'], res['batch1']['ms_per_token']
+    attention, throughput = res['decode_attention'], res['nanoserve']['tokens_per_s']
+    batch1_ms = res['batch1']['ms_per_token']
     def mark(ok: bool) -> str: return 'met' if ok else 'NOT met'
-    rows = [('nanoserve, ' + res['workload'], f'{ns:,.0f} tok/s', f">= {GPU_TARGETS['throughput']:,.0f}",
-             mark(ns >= GPU_TARGETS['throughput'])),
-            ('transformers generate, same requests', f"{res['transformers']['tokens_per_s']:,.0f} tok/s" if 'transformers' in res else None,
-             None, None),
+    peer = f"{res['transformers']['tokens_per_s']:,.0f} tok/s" if 'transformers' in res else None
+    attention_value = f"{attention['gb_per_s']:,.0f} GB/s = {attention['fraction_of_peak']:.0%} of 4.3 TB/s"
+    rows = [('nanoserve, ' + res['workload'], f'{throughput:,.0f} tok/s', f">= {GPU_TARGETS['throughput']:,.0f}",
+             mark(throughput >= GPU_TARGETS['throughput'])),
+            ('transformers generate, same requests', peer, None, None),
             ('nanoserve / transformers', f"x{res['ratio']:.2f}" if 'ratio' in res else None, None, None),
-            ('batch-1 decode, CUDA graphs', f'{b1:.2f} ms/token', f"<= {GPU_TARGETS['batch1_ms']}", mark(b1 <= GPU_TARGETS['batch1_ms'])),
-            ('decode attention, batch 64, 4k context', f"{att['gb_per_s']:,.0f} GB/s = {att['fraction_of_peak']:.0%} of 4.3 TB/s",
-             f">= {GPU_TARGETS['attention_fraction']:.0%}", mark(att['fraction_of_peak'] >= GPU_TARGETS['attention_fraction']))]
+            ('batch-1 decode, CUDA graphs', f'{batch1_ms:.2f} ms/token', f"<= {GPU_TARGETS['batch1_ms']}",
+             mark(batch1_ms <= GPU_TARGETS['batch1_ms'])),
+            ('decode attention, batch 64, 4k context', attention_value, f">= {GPU_TARGETS['attention_fraction']:.0%}",
+             mark(attention['fraction_of_peak'] >= GPU_TARGETS['attention_fraction']))]
     for r in res['overlap']:
-        rows.append((f"decode at batch {r['batch_size']}: overlap on / off", f"{r['on']:,.0f} / {r['off']:,.0f} tok/s = x{r['on'] / r['off']:.2f}",
-                     None, None))
+        on_off = f"{r['on']:,.0f} / {r['off']:,.0f} tok/s = x{r['on'] / r['off']:.2f}"
+        rows.append((f"decode at batch {r['batch_size']}: overlap on / off", on_off, None, None))
     return res['device'] + '\n' + format_table(['measurement', 'value', 'target', ''], rows)
 
 def _structured_table(res: dict) -> str:
@@ -255,16 +280,17 @@ def _structured_table(res: dict) -> str:
     rows = [('free text', free['output_tokens'], free['seconds'], free['tokens_per_s']),
             ('JSON schema', constrained['output_tokens'], constrained['seconds'], constrained['tokens_per_s'])]
     return (format_table(['requests', 'output tokens', 's', 'tok/s'], rows) +
-            f"\nconstrained / free: x{res['ratio']:.2f}; {res['json_tokens']} of {constrained['output_tokens']} constrained "
-            f"tokens inside the JSON (then the stop token)\nmasks of one step at batch {mask['batch_size']} (vocabulary "
-            f"{mask['vocab']:,}): p50 {mask['ms']['p50']:.2f} ms, mean {mask['ms']['mean']:.2f} ms; a free step takes "
-            f"{res['free_step_ms']:.1f} ms on average")
+            f"\nconstrained / free: x{res['ratio']:.2f}; {res['json_tokens']} of {constrained['output_tokens']} "
+            f"constrained tokens inside the JSON (then the stop token)\n"
+            f"masks of one step at batch {mask['batch_size']} (vocabulary {mask['vocab']:,}): "
+            f"p50 {mask['ms']['p50']:.2f} ms, mean {mask['ms']['mean']:.2f} ms; "
+            f"a free step takes {res['free_step_ms']:.1f} ms on average")
 
 def result_table(res: dict) -> str:
     "The table of a benchmark's result, as `nanoserve bench` prints it (and `--json` stores it)."
-    tables = {'random': _compare_table, 'shared-prefix': _compare_table, 'decode': _sweep_table, 'ablations': _ablation_table,
-              'online': _latency_table, 'step-cost': _step_cost_table, 'scheduler': _scheduler_table, 'gpu': _gpu_table,
-              'structured': _structured_table}
+    tables = {'random': _compare_table, 'shared-prefix': _compare_table, 'decode': _sweep_table,
+              'ablations': _ablation_table, 'online': _latency_table, 'step-cost': _step_cost_table,
+              'scheduler': _scheduler_table, 'gpu': _gpu_table, 'structured': _structured_table}
     return tables[res['benchmark']](res)
 
 def environment_line(env: dict) -> str:
@@ -273,81 +299,94 @@ def environment_line(env: dict) -> str:
             f"load average {env['load_average']}, OMP_WAIT_POLICY={env['omp_wait_policy']}")
 
 # %% ../nbs/15_bench.ipynb #7a643fcb
-def decode_throughput(engine, batch_size: int, context: int = 256, steps: int = 32, vocab: tuple[int, int] = (100, 10000),
-                      seed: int = 0) -> dict:
-    "Decode tokens per second at a steady batch of `batch_size` requests, each `context` tokens in: prefill first, then time `steps` decode steps."
+def decode_throughput(engine, batch_size: int, context: int = 256, steps: int = 32,
+                      vocab: tuple[int, int] = (100, 10000), seed: int = 0) -> dict:
+    "Decode tokens/s of a steady batch of `batch_size` requests `context` tokens in, over `steps` steps after prefill."
     rng = random.Random(seed)
-    sp = SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True)
-    for i in range(batch_size): engine.add_request(f'decode-{seed}-{i}', [rng.randrange(*vocab) for _ in range(context)], sp)
-    sched = engine.scheduler
-    while len(sched.running) < batch_size:         # prefill them all
-        if not (sched.waiting or sched.prefilling):
-            raise RuntimeError(f'decode_throughput: the engine cannot hold {batch_size} requests of {context} tokens at once')
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True)
+    for i in range(batch_size):
+        engine.add_request(f'decode-{seed}-{i}', [rng.randrange(*vocab) for _ in range(context)], params)
+    scheduler = engine.scheduler
+    while len(scheduler.running) < batch_size:     # prefill them all
+        if not (scheduler.waiting or scheduler.prefilling):
+            raise RuntimeError(f'decode_throughput: the engine cannot hold {batch_size} requests of {context} tokens '
+                               'at once')
         engine.step()
-    engine.step()                                  # the first decode step (with the overlap engine: the last prefill's tokens)
+    engine.step()   # the first decode step (with the overlap engine: the last prefill's tokens)
     start = time.perf_counter()
     for _ in range(steps): engine.step()
     seconds = time.perf_counter() - start
     while engine.has_unfinished: engine.step()
-    return dict(batch_size=batch_size, context=context, steps=steps, seconds=seconds, tokens_per_s=batch_size * steps / seconds)
+    return dict(batch_size=batch_size, context=context, steps=steps, seconds=seconds,
+                tokens_per_s=batch_size * steps / seconds)
 
 def transformers_decode_throughput(model, batch_size: int, context: int = 256, steps: int = 32,
                                    vocab: tuple[int, int] = (100, 10000), seed: int = 0) -> dict:
-    "The same for `transformers`: prefill a batch of `context`-token prompts, then time `steps` greedy decode steps of its forward with the KV cache, as `generate` runs them."
+    "The same for `transformers`: time `steps` greedy steps of its forward with the KV cache, as `generate` runs them."
     rng = random.Random(seed)
-    ids = torch.tensor([[rng.randrange(*vocab) for _ in range(context)] for _ in range(batch_size)], device=model.device)
+    prompts = [[rng.randrange(*vocab) for _ in range(context)] for _ in range(batch_size)]
+    ids = torch.tensor(prompts, device=model.device)
     mask = torch.ones_like(ids)
-    cache_arg = 'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values'   # renamed in transformers 5
+    # renamed in transformers 5
+    cache_arg = 'cache' if 'cache' in inspect.signature(model.forward).parameters else 'past_key_values'
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, use_cache=True)
         def step(out, mask):
             mask = torch.cat([mask, mask[:, :1]], 1)
             cache = out.cache if cache_arg == 'cache' else out.past_key_values
-            return model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=mask, use_cache=True, **{cache_arg: cache}), mask
+            next_ids = out.logits[:, -1:].argmax(-1)
+            return model(input_ids=next_ids, attention_mask=mask, use_cache=True, **{cache_arg: cache}), mask
+        def decode(out, mask):
+            for _ in range(steps): out, mask = step(out, mask)
+            return out, mask
         out, mask = step(out, mask)                                   # the first decode step: a warm-up
-        _sync(model.device); start = time.perf_counter()
-        for _ in range(steps): out, mask = step(out, mask)
-        _sync(model.device); seconds = time.perf_counter() - start
-    return dict(batch_size=batch_size, context=context, steps=steps, seconds=seconds, tokens_per_s=batch_size * steps / seconds)
+        _, seconds = _timed(model.device, decode, out, mask)
+    return dict(batch_size=batch_size, context=context, steps=steps, seconds=seconds,
+                tokens_per_s=batch_size * steps / seconds)
 
-def decode_sweep(engine, peer=None, batch_sizes: Sequence[int] = (1, 8, 32, 64, 128), context: int = 256, steps: int = 32,
-                 vocab: tuple[int, int] = (100, 10000)) -> dict:
-    "Decode throughput against batch size, for nanoserve (and the peer), with each point's fraction of the compute ceiling."
-    flops, rate, rows = 2 * model_params(engine), matmul_rate(), []
-    for b in batch_sizes:
-        ns = decode_throughput(engine, b, context, steps, vocab)
-        row = dict(batch_size=b, nanoserve=ns['tokens_per_s'], ceiling_fraction=None)
-        if peer is not None: row['transformers'] = transformers_decode_throughput(peer, b, context, steps, vocab)['tokens_per_s']
+def decode_sweep(engine, peer=None, batch_sizes: Sequence[int] = (1, 8, 32, 64, 128), context: int = 256,
+                 steps: int = 32, vocab: tuple[int, int] = (100, 10000)) -> dict:
+    "Decode throughput by batch size, for nanoserve (and the peer), with each point's fraction of the compute ceiling."
+    flops_per_token, rate, rows = 2 * model_params(engine), matmul_rate(), []
+    for batch_size in batch_sizes:
+        ours = decode_throughput(engine, batch_size, context, steps, vocab)
+        row = dict(batch_size=batch_size, nanoserve=ours['tokens_per_s'], ceiling_fraction=None)
+        if peer is not None:
+            theirs = transformers_decode_throughput(peer, batch_size, context, steps, vocab)
+            row['transformers'] = theirs['tokens_per_s']
         rows.append(row)
     rate = max(rate, matmul_rate())
-    for row in rows: row['ceiling_fraction'] = row['nanoserve'] * flops / rate
-    return dict(context=context, steps=steps, matmul_flops=rate, flops_per_token=flops, rows=rows)
+    for row in rows: row['ceiling_fraction'] = row['nanoserve'] * flops_per_token / rate
+    return dict(context=context, steps=steps, matmul_flops=rate, flops_per_token=flops_per_token, rows=rows)
 
 # %% ../nbs/15_bench.ipynb #4e0f2c11
 def step_cost(engine, budgets: Sequence[int] = (0, 16, 32, 64, 128, 256, 512), decodes: int = 8, context: int = 256,
               repeats: int = 3, vocab: tuple[int, int] = (100, 10000), seed: int = 0) -> dict:
-    "Time of one step that carries `decodes` decodes (each `context` tokens in) and a fresh prompt's chunk of each budget's tokens."
+    "Time of one step with `decodes` decodes (`context` tokens in) and a new prompt's chunk of each budget's tokens."
     rng = random.Random(seed)
-    sched, saved = engine.scheduler, engine.scheduler.max_num_batched_tokens
-    sp = SamplingParams(temperature=0.0, max_tokens=len(budgets) * repeats + 8, ignore_eos=True)
-    for i in range(decodes): engine.add_request(f'cost-{seed}-{i}', [rng.randrange(*vocab) for _ in range(context)], sp)
-    sched.max_num_batched_tokens = decodes * context
-    while len(sched.running) < decodes: engine.step()   # prefill them all
+    scheduler, saved_budget = engine.scheduler, engine.scheduler.max_num_batched_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=len(budgets) * repeats + 8, ignore_eos=True)
+    for i in range(decodes):
+        engine.add_request(f'cost-{seed}-{i}', [rng.randrange(*vocab) for _ in range(context)], params)
+    scheduler.max_num_batched_tokens = decodes * context
+    while len(scheduler.running) < decodes: engine.step()   # prefill them all
     engine.step()
     rows = []
     try:
         for budget in budgets:
             seconds = []
-            for k in range(repeats):   # a prompt longer than any chunk, new each time: nothing cached, always chunked
-                uid = f'cost-chunk-{seed}-{budget}-{k}'
-                engine.add_request(uid, [rng.randrange(*vocab) for _ in range(max(budgets) + 1)], SamplingParams(max_tokens=1))
-                sched.max_num_batched_tokens = decodes + budget
+            # a prompt longer than any chunk, new each time: nothing cached, always chunked
+            for repeat in range(repeats):
+                uid = f'cost-chunk-{seed}-{budget}-{repeat}'
+                prompt = [rng.randrange(*vocab) for _ in range(max(budgets) + 1)]
+                engine.add_request(uid, prompt, SamplingParams(max_tokens=1))
+                scheduler.max_num_batched_tokens = decodes + budget
                 start = time.perf_counter()
                 engine.step()
                 seconds.append(time.perf_counter() - start)
                 engine.abort(uid)
             rows.append(dict(prompt_tokens=budget, ms=1e3 * statistics.median(seconds)))
-    finally: sched.max_num_batched_tokens = saved
+    finally: scheduler.max_num_batched_tokens = saved_budget
     while engine.has_unfinished: engine.step()
     for row in rows: row['decode_steps'] = row['ms'] / rows[0]['ms']
     return dict(decodes=decodes, context=context, repeats=repeats, rows=rows)
@@ -362,44 +401,49 @@ def _stats_ms(xs: Sequence[float]) -> dict:
 
 def scheduler_overhead(batch_size: int = 256, steps: int = 32, prompt_len: int = 64, page_size: int = 16,
                        enable_prefix_caching: bool = True, seed: int = 0) -> dict:
-    "Host time per decode step at `batch_size` with the fake runner: scheduling, launching and processing, and the step's metadata and sampling batch."
+    """Host time per decode step at `batch_size` with the fake runner: scheduling, launching and processing,
+    and the step's metadata and sampling batch."""
     rng = random.Random(seed)
     max_len = prompt_len + steps + 8
-    table = PageTable(batch_size, max_len, PageAllocator(batch_size * -(-max_len // page_size) + 1, page_size))
+    table = PageTable(batch_size, max_len, PageAllocator(batch_size * cdiv(max_len, page_size) + 1, page_size))
     from nanoserve.testing import FakeRunner      # a test utility (chapter 95): the model's time stays out
     runner = FakeRunner(table, vocab_size=1000)
-    sched = Scheduler(table, runner, max_num_batched_tokens=batch_size * prompt_len, max_model_len=max_len,
-                      enable_prefix_caching=enable_prefix_caching)
-    sp = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
-    for i in range(batch_size): sched.add_request(i, [rng.randrange(1000) for _ in range(prompt_len)], sp)
-    while sched.waiting or sched.prefilling: sched.step()
-    schedule, worker = [], []
+    scheduler = Scheduler(table, runner, max_num_batched_tokens=batch_size * prompt_len, max_model_len=max_len,
+                          enable_prefix_caching=enable_prefix_caching)
+    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    for i in range(batch_size): scheduler.add_request(i, [rng.randrange(1000) for _ in range(prompt_len)], params)
+    while scheduler.waiting or scheduler.prefilling: scheduler.step()
+    scheduler_seconds, worker_seconds = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        batch = sched.schedule(); sched.launch(batch)
+        batch = scheduler.schedule()
+        scheduler.launch(batch)
         t1 = time.perf_counter()
-        build_metadata(batch, table); SamplingBatch.from_reqs(batch.reqs, 1000)     # what the worker adds on the host
+        build_metadata(batch, table)                # what the worker adds on the host: metadata, sampling batch
+        SamplingBatch.from_reqs(batch.reqs, 1000)
         t2 = time.perf_counter()
-        tokens = runner.forward(batch)                                              # the "model": not timed
+        tokens = runner.forward(batch)      # the "model": not timed
         t3 = time.perf_counter()
-        sched.process(batch, tokens)
+        scheduler.process(batch, tokens)
         t4 = time.perf_counter()
         assert batch.size == batch_size, f'decode batch of {batch.size}, expected {batch_size}'
-        schedule.append((t1 - t0) + (t4 - t3)); worker.append(t2 - t1)
-    while not sched.idle: sched.step()
-    sched.check_integrity()
-    return dict(batch_size=batch_size, steps=steps, scheduler_ms=_stats_ms(schedule), worker_host_ms=_stats_ms(worker),
-                total_ms=_stats_ms([a + b for a, b in zip(schedule, worker)]))
+        scheduler_seconds.append((t1 - t0) + (t4 - t3))
+        worker_seconds.append(t2 - t1)
+    while not scheduler.idle: scheduler.step()
+    scheduler.check_integrity()
+    return dict(batch_size=batch_size, steps=steps, scheduler_ms=_stats_ms(scheduler_seconds),
+                worker_host_ms=_stats_ms(worker_seconds),
+                total_ms=_stats_ms([a + b for a, b in zip(scheduler_seconds, worker_seconds)]))
 
 # %% ../nbs/15_bench.ipynb #6c257a35
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> list[float]:
-    "Send times (seconds from the start) of `n` requests arriving as a Poisson process of `rate` per second (`inf`: all at once)."
+    "Send times (s from the start) of `n` requests arriving as a Poisson process of `rate`/s (`inf`: all at once)."
     rng = random.Random(seed)
-    t, out = 0.0, []
+    at, arrivals = 0.0, []
     for _ in range(n):
-        out.append(t)
-        if math.isfinite(rate): t += rng.expovariate(rate)
-    return out
+        arrivals.append(at)
+        if math.isfinite(rate): at += rng.expovariate(rate)
+    return arrivals
 
 @dataclass
 class StreamResult:
@@ -417,52 +461,54 @@ class StreamResult:
 
 def stream_completion(url: str, payload: dict, timeout: float = 300.0) -> StreamResult:
     "POST a streamed `/v1/completions` request and time its chunks (stdlib only)."
-    u = urlsplit(url)
-    res = StreamResult(time.perf_counter())
+    address = urlsplit(url)
+    result = StreamResult(time.perf_counter())
     body = json.dumps({**payload, 'stream': True, 'stream_options': {'include_usage': True}})
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+    conn = http.client.HTTPConnection(address.hostname, address.port, timeout=timeout)
     try:
         conn.request('POST', '/v1/completions', body=body, headers={'Content-Type': 'application/json'})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            res.error = f'HTTP {resp.status}: {resp.read()[:200]!r}'
-            return res
-        for line in resp:
+        response = conn.getresponse()
+        if response.status != 200:
+            result.error = f'HTTP {response.status}: {response.read()[:200]!r}'
+            return result
+        for line in response:
             if not line.startswith(b'data: '): continue
             data = line[6:].strip()
             if data == b'[DONE]': break
             chunk = json.loads(data)
-            if chunk.get('choices') and chunk['choices'][0].get('text'): res.chunk_times.append(time.perf_counter())
-            if chunk.get('usage'): res.output_tokens = chunk['usage']['completion_tokens']
-        res.end = time.perf_counter()
-    except (OSError, http.client.HTTPException, ValueError) as e: res.error = f'{type(e).__name__}: {e}'
+            if chunk.get('choices') and chunk['choices'][0].get('text'): result.chunk_times.append(time.perf_counter())
+            if chunk.get('usage'): result.output_tokens = chunk['usage']['completion_tokens']
+        result.end = time.perf_counter()
+    except (OSError, http.client.HTTPException, ValueError) as e: result.error = f'{type(e).__name__}: {e}'
     finally: conn.close()
-    return res
+    return result
 
 def online_metrics(results: Sequence[StreamResult | None], start: float, seconds: float) -> dict:
-    "Throughput and latency (TTFT, inter-token, time per output token, end-to-end) of finished streams, times in ms; and every stream's chunk times (s, from `start`)."
-    ok = [r for r in results if r is not None and r.error is None and r.end is not None and r.chunk_times]
-    tokens = sum(r.output_tokens for r in ok)
-    streams = [None if r not in ok else dict(sent=r.start - start, chunks=[t - start for t in r.chunk_times]) for r in results]
-    return dict(completed=len(ok), failed=len(results) - len(ok), seconds=seconds, output_tokens=tokens,
-                tokens_per_s=tokens / seconds if seconds > 0 else None, requests_per_s=len(ok) / seconds if seconds > 0 else None,
-                ttft_ms=_stats_ms([r.ttft for r in ok]), itl_ms=_stats_ms([x for r in ok for x in r.itls]),
-                tpot_ms=_stats_ms([(r.end - r.chunk_times[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
-                e2e_ms=_stats_ms([r.end - r.start for r in ok]), streams=streams)
+    "Throughput and latency (TTFT, ITL, TPOT, end-to-end; ms) of finished streams, and each stream's chunk times (s)."
+    finished = [r for r in results if r is not None and r.error is None and r.end is not None and r.chunk_times]
+    tokens = sum(r.output_tokens for r in finished)
+    streams = [None if r not in finished else dict(sent=r.start - start, chunks=[t - start for t in r.chunk_times])
+               for r in results]
+    per_token = [(r.end - r.chunk_times[0]) / (r.output_tokens - 1) for r in finished if r.output_tokens > 1]
+    return dict(completed=len(finished), failed=len(results) - len(finished), seconds=seconds, output_tokens=tokens,
+                tokens_per_s=tokens / seconds if seconds > 0 else None,
+                requests_per_s=len(finished) / seconds if seconds > 0 else None,
+                ttft_ms=_stats_ms([r.ttft for r in finished]), itl_ms=_stats_ms([x for r in finished for x in r.itls]),
+                tpot_ms=_stats_ms(per_token), e2e_ms=_stats_ms([r.end - r.start for r in finished]), streams=streams)
 
 def run_online(url: str, workload: Workload, rate: float, max_duration: float = 120.0, model: str = 'model',
                seed: int = 0) -> dict:
-    "Send `workload` to a running server with Poisson arrivals at `rate`/s; requests not sent within `max_duration` s are dropped."
+    "Send `workload` to a running server, Poisson arrivals at `rate`/s; requests not sent within `max_duration` s drop."
     arrivals = poisson_arrivals(workload.num_requests, rate, seed)
     results: list[StreamResult | None] = [None] * workload.num_requests
     threads, start = [], time.perf_counter()
-    def send(i, prompt, n):
-        payload = dict(model=model, prompt=prompt, max_tokens=n, temperature=0.0, ignore_eos=True)
+    def send(i, prompt, max_tokens):
+        payload = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         results[i] = stream_completion(url, payload, timeout=max_duration + 60)
-    for i, (at, prompt, n) in enumerate(zip(arrivals, workload.prompts, workload.output_lens)):
+    for i, (at, prompt, max_tokens) in enumerate(zip(arrivals, workload.prompts, workload.output_lens)):
         if at > max_duration: break
         time.sleep(max(0.0, start + at - time.perf_counter()))
-        thread = threading.Thread(target=send, args=(i, prompt, n), daemon=True)
+        thread = threading.Thread(target=send, args=(i, prompt, max_tokens), daemon=True)
         thread.start()
         threads.append(thread)
     for thread in threads: thread.join(timeout=max(1.0, start + max_duration + 60 - time.perf_counter()))
@@ -472,11 +518,12 @@ def run_online(url: str, workload: Workload, rate: float, max_duration: float = 
 
 def served_model(url: str) -> str:
     "The first model a running OpenAI-compatible server lists."
-    with urllib.request.urlopen(url.rstrip('/') + '/v1/models', timeout=30) as r: return json.loads(r.read())['data'][0]['id']
+    with urllib.request.urlopen(url.rstrip('/') + '/v1/models', timeout=30) as response:
+        return json.loads(response.read())['data'][0]['id']
 
 def online_benchmark(model: str, workload: Workload, rates: Sequence[float], max_duration: float = 120.0, seed: int = 0,
                      url: str | None = None, **engine_kwargs) -> dict:
-    "Send `workload` at each rate in turn: to the server at `url`, or to one started on loopback (`ServerProcess`) and warmed up."
+    "Send `workload` at each rate in turn: to the server at `url`, or to one started on loopback and warmed up."
     if url is not None:
         runs = [run_online(url, workload, rate, max_duration, served_model(url), seed) for rate in rates]
         return dict(url=url, runs=runs)
@@ -487,18 +534,19 @@ def online_benchmark(model: str, workload: Workload, rates: Sequence[float], max
 
 # %% ../nbs/15_bench.ipynb #30cb6218
 def ablations(model: str, random_wl: Workload, shared_wl: Workload, **engine_kwargs) -> dict:
-    "Throughput with overlap scheduling on and off (random workload) and with the radix cache on and off (shared prefixes)."
-    def tps(workload, **kw):
-        engine = make_engine(EngineConfig.from_kwargs(model=model, **{**engine_kwargs, **kw}))
+    "Throughput with overlap scheduling on and off (random workload), and the radix cache on and off (shared prefixes)."
+    def throughput(workload, **knob):
+        engine = make_engine(EngineConfig.from_kwargs(model=model, **{**engine_kwargs, **knob}))
         return run_nanoserve(engine, workload)['tokens_per_s']
-    overlap = {'on': tps(random_wl, enable_overlap=True), 'off': tps(random_wl, enable_overlap=False)}
-    radix = {'on': tps(shared_wl, enable_prefix_caching=True), 'off': tps(shared_wl, enable_prefix_caching=False)}
+    overlap = {'on': throughput(random_wl, enable_overlap=True), 'off': throughput(random_wl, enable_overlap=False)}
+    radix = {'on': throughput(shared_wl, enable_prefix_caching=True),
+             'off': throughput(shared_wl, enable_prefix_caching=False)}
     return dict(overlap=dict(workload=repr(random_wl), **overlap, gain=overlap['on'] / overlap['off']),
                 radix=dict(workload=repr(shared_wl), **radix, gain=radix['on'] / radix['off']))
 
 # %% ../nbs/15_bench.ipynb #15a50002
 def mask_step_cost(engine, so: StructuredOutputsParams, batch_size: int = 32, steps: int = 32) -> dict:
-    "Time `constrain_logits` over `steps` decode steps of `batch_size` requests constrained by `so` (greedy on random logits)."
+    "Time `constrain_logits` over `steps` decode steps of `batch_size` requests under `so` (greedy on random logits)."
     vocab, device = engine.worker.vocab_size, engine.worker.device
     compiled = engine.grammars.submit(so)
     reqs = []
@@ -512,26 +560,26 @@ def mask_step_cost(engine, so: StructuredOutputsParams, batch_size: int = 32, st
     for _ in range(steps):
         logits = torch.randn(batch_size, vocab, device=device, generator=generator)
         for r in reqs: r.device_len = len(r.input_ids) + 1
-        _sync(device)
-        start = time.perf_counter()
-        constrain_logits(logits, reqs)
-        _sync(device)
-        times.append(time.perf_counter() - start)
+        _, seconds = _timed(device, constrain_logits, logits, reqs)
+        times.append(seconds)
         for r, token in zip(reqs, logits.argmax(-1).tolist()): r.append_token(token)
     return dict(batch_size=batch_size, steps=steps, vocab=vocab, ms=_stats_ms(times))
 
 def structured_benchmark(engine, workload: Workload, schema: dict, mask_steps: int = 32,
-                         repeats: int = 2) -> dict:   # free and constrained runs alternate; the faster of each is kept
-    "The same requests as free text and constrained to the JSON `schema`: throughputs, their ratio, and one step's mask cost."
-    so = StructuredOutputsParams(json=schema)
-    runs = [(run_nanoserve(engine, workload), run_nanoserve(engine, workload, structured_outputs=so)) for _ in range(repeats)]
+                         repeats: int = 2,   # free and constrained runs alternate; the faster of each is kept
+                        ) -> dict:
+    "The requests as free text and constrained to the JSON `schema`: throughputs, their ratio, one step's mask cost."
+    structured_outputs = StructuredOutputsParams(json=schema)
+    runs = [(run_nanoserve(engine, workload), run_nanoserve(engine, workload, structured_outputs=structured_outputs))
+            for _ in range(repeats)]
     free, constrained = (max(column, key=lambda run: run['tokens_per_s']) for column in zip(*runs))
     eos = set(engine.model_config.eos_token_ids)
+    # each output's tokens before its first stop token
     in_json = sum(next((k for k, t in enumerate(out) if t in eos), len(out)) for out in constrained['outputs'])
     for run in (free, constrained): del run['outputs']
     return dict(workload=repr(workload), schema=schema, repeats=repeats, free=free, constrained=constrained,
                 ratio=constrained['tokens_per_s'] / free['tokens_per_s'], json_tokens=in_json,
-                mask=mask_step_cost(engine, so, workload.num_requests, mask_steps),
+                mask=mask_step_cost(engine, structured_outputs, workload.num_requests, mask_steps),
                 free_step_ms=1e3 * free['seconds'] / max(workload.output_lens))
 
 PERSON_SCHEMA = {'type': 'object', 'properties': {
@@ -545,27 +593,38 @@ def figure_class():
     except ImportError: raise ImportError('the plots need matplotlib: pip install matplotlib') from None
     return Figure
 
+def _saved(fig, path: str | Path) -> Path:
+    "Lay `fig` out and write it to `path` (a PNG)."
+    fig.tight_layout()
+    fig.savefig(path)
+    return Path(path)
+
 def plot_decode_sweep(sweep: dict, path: str | Path, title: str = 'decode throughput') -> Path:
     "A PNG of decode tokens/s against batch size: nanoserve, the peer, and the compute ceiling."
     Figure = figure_class()
     rows = sweep['rows']
-    bs = [r['batch_size'] for r in rows]
-    fig = Figure(figsize=(6, 3.6), dpi=100); ax = fig.add_subplot()
-    ax.plot(bs, [r['nanoserve'] for r in rows], 'o-', label='nanoserve')
-    if all('transformers' in r for r in rows): ax.plot(bs, [r['transformers'] for r in rows], 's--', label='transformers')
+    batch_sizes = [r['batch_size'] for r in rows]
+    fig = Figure(figsize=(6, 3.6), dpi=100)
+    ax = fig.add_subplot()
+    ax.plot(batch_sizes, [r['nanoserve'] for r in rows], 'o-', label='nanoserve')
+    if all('transformers' in r for r in rows):
+        ax.plot(batch_sizes, [r['transformers'] for r in rows], 's--', label='transformers')
     ax.axhline(sweep['matmul_flops'] / sweep['flops_per_token'], color='grey', lw=1, ls=':', label='compute ceiling')
-    ax.set_xscale('log', base=2); ax.set_xticks(bs, [str(b) for b in bs])
-    ax.set_xlabel('batch size'); ax.set_ylabel('output tokens / s'); ax.set_title(title); ax.legend(); ax.grid(alpha=0.3)
-    fig.tight_layout(); fig.savefig(path)
-    return Path(path)
+    ax.set_xscale('log', base=2)
+    ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
+    ax.set(xlabel='batch size', ylabel='output tokens / s', title=title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _saved(fig, path)
 
 def longest_gap_stream(run: dict) -> int:
     "The index of the stream of an online run that waited longest between two of its chunks."
-    def gap(s): return max((b - a for a, b in zip(s['chunks'], s['chunks'][1:])), default=0.0) if s else -1.0
-    return max(range(len(run['streams'])), key=lambda i: gap(run['streams'][i]))
+    def longest_gap(s): return max((b - a for a, b in zip(s['chunks'], s['chunks'][1:])), default=0.0) if s else -1.0
+    return max(range(len(run['streams'])), key=lambda i: longest_gap(run['streams'][i]))
 
-def plot_stream_times(runs: dict[str, dict], path: str | Path, index: int | None = None, title: str | None = None) -> Path:
-    "A PNG of one stream's chunks against time since it was sent, in each online run (by label): stalls show as flat steps."
+def plot_stream_times(runs: dict[str, dict], path: str | Path, index: int | None = None,
+                      title: str | None = None) -> Path:
+    "A PNG, per online run (by label), of one stream's chunks against time since it was sent: stalls are flat steps."
     Figure = figure_class()
     runs = dict(runs)
     index = longest_gap_stream(next(iter(runs.values()))) if index is None else index
@@ -576,81 +635,96 @@ def plot_stream_times(runs: dict[str, dict], path: str | Path, index: int | None
         if stream is None: continue
         times = [0.0] + [t - stream['sent'] for t in stream['chunks']]
         ax.step(times, range(len(times)), where='post', label=label)
-    ax.set_xlabel('seconds since the request was sent')
-    ax.set_ylabel('chunks received')
-    ax.set_title(title or f'stream {index}: its tokens as they arrive')
+    ax.set(xlabel='seconds since the request was sent', ylabel='chunks received',
+           title=title or f'stream {index}: its tokens as they arrive')
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    return Path(path)
+    return _saved(fig, path)
 
 def plot_ablations(abl: dict, path: str | Path, title: str = 'ablations') -> Path:
     "A PNG of the two ablations as bars: throughput with each feature on and off."
     Figure = figure_class()
-    fig = Figure(figsize=(6, 3.2), dpi=100); axes = fig.subplots(1, 2)
-    for ax, (name, label) in zip(axes, [('overlap', 'overlap scheduling\n(random workload)'), ('radix', 'radix cache\n(shared prefixes)')]):
-        r = abl[name]
-        bars = ax.bar(['on', 'off'], [r['on'], r['off']], color=['tab:blue', 'tab:grey'])
-        ax.bar_label(bars, fmt='%.0f'); ax.margins(y=0.15); ax.set_title(f"{label}: x{r['gain']:.2f}", fontsize=9); ax.set_ylabel('output tokens / s')
-    fig.suptitle(title, fontsize=10); fig.tight_layout(); fig.savefig(path)
-    return Path(path)
+    fig = Figure(figsize=(6, 3.2), dpi=100)
+    axes = fig.subplots(1, 2)
+    panels = [('overlap', 'overlap scheduling\n(random workload)'), ('radix', 'radix cache\n(shared prefixes)')]
+    for ax, (name, label) in zip(axes, panels):
+        ablation = abl[name]
+        bars = ax.bar(['on', 'off'], [ablation['on'], ablation['off']], color=['tab:blue', 'tab:grey'])
+        ax.bar_label(bars, fmt='%.0f')
+        ax.margins(y=0.15)
+        ax.set_title(f"{label}: x{ablation['gain']:.2f}", fontsize=9)
+        ax.set_ylabel('output tokens / s')
+    fig.suptitle(title, fontsize=10)
+    return _saved(fig, path)
 
 # %% ../nbs/15_bench.ipynb #1d65f194
-QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True,
-                 rope_theta=1000000.0, rms_norm_eps=1e-6, bos_token_id=151643, eos_token_id=151645)
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                 tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                 bos_token_id=151643, eos_token_id=151645)
+
+def _release_gpu_memory():
+    "Collect the objects just dropped and return their cached CUDA memory, for the next model to take."
+    gc.collect()
+    torch.cuda.empty_cache()
 
 def qwen3_06b_dir(root: str | Path) -> Path:
     "Random Qwen3-0.6B-shaped weights saved as a bf16 Hugging Face directory (built on the GPU: seconds)."
     from transformers import Qwen3Config, Qwen3ForCausalLM
     path = Path(root)/'qwen3-0.6b-random'
-    cfg = Qwen3Config(**QWEN3_06B); cfg.architectures = ['Qwen3ForCausalLM']
+    config = Qwen3Config(**QWEN3_06B)
+    config.architectures = ['Qwen3ForCausalLM']
     torch.manual_seed(0)
-    with torch.device('cuda'): model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    with torch.device('cuda'): model = Qwen3ForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path)
-    del model; torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()
     return path
 
 def batch1_latency(engine, prompt_len: int = 128, new: int = 512) -> dict:
     "Milliseconds per decoded token of a single request, its prefill time subtracted."
     prompt = list(range(1000, 1000 + prompt_len))
-    def run(n):
-        start = time.perf_counter(); engine.generate([prompt], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    def run(max_tokens):
+        start = time.perf_counter()
+        engine.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
         return time.perf_counter() - start
     run(1)                                           # warm-up
     prefill, total = run(1), run(new)
     return dict(ms_per_token=1000 * (total - prefill) / (new - 1), prefill_ms=1000 * prefill)
 
 def gpu_benchmark(requests: int = 256, lens: tuple[int, int] = (100, 1024), peer: bool = True, seed: int = 0) -> dict:
-    "nano-vllm's workload on Qwen3-0.6B-shaped random weights, beside `transformers` on the same GPU; batch-1 latency; decode-attention bandwidth."
+    """nano-vllm's workload on Qwen3-0.6B-shaped random weights, beside `transformers` on the same GPU;
+    batch-1 latency; decode-attention bandwidth."""
     from nanoserve.kernels import bench_decode_attention
     assert torch.cuda.is_available(), 'the GPU benchmark needs a CUDA GPU'
     workload = random_workload(requests, lens, lens, (100, 10000), seed)
-    res = dict(device=torch.cuda.get_device_name(), workload=repr(workload))
-    with tempfile.TemporaryDirectory() as d:
-        path = qwen3_06b_dir(d)
+    result = dict(device=torch.cuda.get_device_name(), workload=repr(workload))
+    with tempfile.TemporaryDirectory() as tmp_dir:
+        path = qwen3_06b_dir(tmp_dir)
         if peer:                                     # first, before nanoserve's KV pool takes the memory
-            hf = load_transformers(path, torch.bfloat16, 'cuda')
-            res['transformers'] = run_transformers(hf, workload)
-            del hf; gc.collect(); torch.cuda.empty_cache()
+            hf_model = load_transformers(path, torch.bfloat16, 'cuda')
+            result['transformers'] = run_transformers(hf_model, workload)
+            del hf_model
+            _release_gpu_memory()
         engine = make_engine(EngineConfig(model=str(path), dtype='bfloat16'))
-        res['nanoserve'] = run_nanoserve(engine, workload)
-        res['batch1'] = batch1_latency(engine)
+        result['nanoserve'] = run_nanoserve(engine, workload)
+        result['batch1'] = batch1_latency(engine)
         del engine
-        gc.collect()
-        torch.cuda.empty_cache()
-        res['overlap'] = [dict(batch_size=b) for b in (1, 64)]
+        _release_gpu_memory()
+        result['overlap'] = [dict(batch_size=batch_size) for batch_size in (1, 64)]
         for overlap in ('on', 'off'):   # decode at batch 1 and 64, the overlap loop on and off
-            engine = make_engine(EngineConfig(model=str(path), dtype='bfloat16', enable_overlap=overlap == 'on', cuda_graph_max_bs=64))
-            for row in res['overlap']: row[overlap] = decode_throughput(engine, row['batch_size'], 512, 64)['tokens_per_s']
+            config = EngineConfig(model=str(path), dtype='bfloat16', enable_overlap=overlap == 'on',
+                                  cuda_graph_max_bs=64)
+            engine = make_engine(config)
+            for row in result['overlap']:
+                row[overlap] = decode_throughput(engine, row['batch_size'], 512, 64)['tokens_per_s']
             del engine
-            gc.collect()
-            torch.cuda.empty_cache()
+            _release_gpu_memory()
     if peer:
-        res['ratio'] = res['nanoserve']['tokens_per_s'] / res['transformers']['tokens_per_s']
-        res['same_first_tokens'] = sum(a[:1] == b[:1] for a, b in zip(res['nanoserve']['outputs'], res['transformers']['outputs']))
-    for k in ('nanoserve', 'transformers'):
-        if k in res: res[k].pop('outputs')
-    res['decode_attention'] = bench_decode_attention(batch=64, context=4096)
-    return res
+        ours, theirs = result['nanoserve'], result['transformers']
+        result['ratio'] = ours['tokens_per_s'] / theirs['tokens_per_s']
+        result['same_first_tokens'] = sum(a[:1] == b[:1] for a, b in zip(ours['outputs'], theirs['outputs']))
+    for engine_name in ('nanoserve', 'transformers'):
+        if engine_name in result: result[engine_name].pop('outputs')
+    result['decode_attention'] = bench_decode_attention(batch=64, context=4096)
+    return result
