@@ -26,9 +26,7 @@ __all__ = ['GPU_TARGETS', 'PERSON_SCHEMA', 'QWEN3_06B', 'Workload', 'random_work
            'compare', 'environment', 'format_table', 'result_table', 'environment_line', 'decode_throughput',
            'transformers_decode_throughput', 'decode_sweep', 'step_cost', 'scheduler_overhead', 'poisson_arrivals',
            'StreamResult', 'stream_completion', 'online_metrics', 'run_online', 'served_model', 'online_benchmark',
-           'ablations', 'mask_step_cost', 'structured_benchmark', 'figure_class', 'plot_decode_sweep',
-           'longest_gap_stream', 'plot_stream_times', 'plot_ablations', 'qwen3_06b_dir', 'batch1_latency',
-           'gpu_benchmark']
+           'ablations', 'mask_step_cost', 'structured_benchmark', 'qwen3_06b_dir', 'batch1_latency', 'gpu_benchmark']
 
 # %% ../nbs/15_bench.ipynb #f895bf34
 @dataclass
@@ -585,77 +583,6 @@ def structured_benchmark(engine, workload: Workload, schema: dict, mask_steps: i
 PERSON_SCHEMA = {'type': 'object', 'properties': {
     'name': {'type': 'string'}, 'age': {'type': 'integer'}, 'city': {'type': 'string'},
     'tags': {'type': 'array', 'items': {'type': 'string'}}}, 'required': ['name', 'age', 'city', 'tags']}
-
-# %% ../nbs/15_bench.ipynb #c3dc5282
-def figure_class():
-    "matplotlib's `Figure` class, or an `ImportError` that says how to install it."
-    try: from matplotlib.figure import Figure
-    except ImportError: raise ImportError('the plots need matplotlib: pip install matplotlib') from None
-    return Figure
-
-def _saved(fig, path: str | Path) -> Path:
-    "Lay `fig` out and write it to `path` (a PNG)."
-    fig.tight_layout()
-    fig.savefig(path)
-    return Path(path)
-
-def plot_decode_sweep(sweep: dict, path: str | Path, title: str = 'decode throughput') -> Path:
-    "A PNG of decode tokens/s against batch size: nanoserve, the peer, and the compute ceiling."
-    Figure = figure_class()
-    rows = sweep['rows']
-    batch_sizes = [r['batch_size'] for r in rows]
-    fig = Figure(figsize=(6, 3.6), dpi=100)
-    ax = fig.add_subplot()
-    ax.plot(batch_sizes, [r['nanoserve'] for r in rows], 'o-', label='nanoserve')
-    if all('transformers' in r for r in rows):
-        ax.plot(batch_sizes, [r['transformers'] for r in rows], 's--', label='transformers')
-    ax.axhline(sweep['matmul_flops'] / sweep['flops_per_token'], color='grey', lw=1, ls=':', label='compute ceiling')
-    ax.set_xscale('log', base=2)
-    ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
-    ax.set(xlabel='batch size', ylabel='output tokens / s', title=title)
-    ax.legend()
-    ax.grid(alpha=0.3)
-    return _saved(fig, path)
-
-def longest_gap_stream(run: dict) -> int:
-    "The index of the stream of an online run that waited longest between two of its chunks."
-    def longest_gap(s): return max((b - a for a, b in zip(s['chunks'], s['chunks'][1:])), default=0.0) if s else -1.0
-    return max(range(len(run['streams'])), key=lambda i: longest_gap(run['streams'][i]))
-
-def plot_stream_times(runs: dict[str, dict], path: str | Path, index: int | None = None,
-                      title: str | None = None) -> Path:
-    "A PNG, per online run (by label), of one stream's chunks against time since it was sent: stalls are flat steps."
-    Figure = figure_class()
-    runs = dict(runs)
-    index = longest_gap_stream(next(iter(runs.values()))) if index is None else index
-    fig = Figure(figsize=(6, 3.6), dpi=100)
-    ax = fig.add_subplot()
-    for label, run in runs.items():
-        stream = run['streams'][index]
-        if stream is None: continue
-        times = [0.0] + [t - stream['sent'] for t in stream['chunks']]
-        ax.step(times, range(len(times)), where='post', label=label)
-    ax.set(xlabel='seconds since the request was sent', ylabel='chunks received',
-           title=title or f'stream {index}: its tokens as they arrive')
-    ax.legend()
-    ax.grid(alpha=0.3)
-    return _saved(fig, path)
-
-def plot_ablations(abl: dict, path: str | Path, title: str = 'ablations') -> Path:
-    "A PNG of the two ablations as bars: throughput with each feature on and off."
-    Figure = figure_class()
-    fig = Figure(figsize=(6, 3.2), dpi=100)
-    axes = fig.subplots(1, 2)
-    panels = [('overlap', 'overlap scheduling\n(random workload)'), ('radix', 'radix cache\n(shared prefixes)')]
-    for ax, (name, label) in zip(axes, panels):
-        ablation = abl[name]
-        bars = ax.bar(['on', 'off'], [ablation['on'], ablation['off']], color=['tab:blue', 'tab:grey'])
-        ax.bar_label(bars, fmt='%.0f')
-        ax.margins(y=0.15)
-        ax.set_title(f"{label}: x{ablation['gain']:.2f}", fontsize=9)
-        ax.set_ylabel('output tokens / s')
-    fig.suptitle(title, fontsize=10)
-    return _saved(fig, path)
 
 # %% ../nbs/15_bench.ipynb #1d65f194
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,

@@ -13,9 +13,9 @@ from .model import resolve_model_path
 from .llm import make_engine
 from .checkpoints import resolve_model
 from .bench import (PERSON_SCHEMA, Workload, ablations, compare, decode_sweep, environment, environment_line,
-                             figure_class, gpu_benchmark, load_transformers, online_benchmark, plot_ablations,
-                             plot_decode_sweep, plot_stream_times, random_workload, result_table, scheduler_overhead,
-                             shared_prefix_workload, step_cost, structured_benchmark)
+                             gpu_benchmark, load_transformers, online_benchmark, random_workload, result_table,
+                             scheduler_overhead, shared_prefix_workload, step_cost, structured_benchmark)
+from .results import figure_class, plot_ablations, plot_decode_sweep, plot_stream_times
 
 # %% auto #0
 __all__ = ['build_parser', 'main']

@@ -11,7 +11,8 @@ from typing import Callable, Sequence
 from .bench import environment_line
 
 # %% auto #0
-__all__ = ['TARGETS', 'TARGET_HEADER', 'load_results', 'run_on', 'Target', 'target_rows']
+__all__ = ['TARGETS', 'TARGET_HEADER', 'load_results', 'run_on', 'figure_class', 'plot_decode_sweep', 'longest_gap_stream',
+           'plot_stream_times', 'plot_ablations', 'Target', 'target_rows']
 
 # %% ../nbs/15a_results.ipynb #7e2b5a06
 def load_results(results_dir: str | Path) -> dict[str, dict]:
@@ -22,6 +23,77 @@ def run_on(res: dict) -> str:
     "What a stored result was measured on: its environment, and the matmul rate measured beside it when there is one."
     rate = f", fp32 matmul {res['matmul_flops'] / 1e9:,.0f} GFLOP/s" if 'matmul_flops' in res else ''
     return environment_line(res['environment']) + rate
+
+# %% ../nbs/15a_results.ipynb #c3dc5282
+def figure_class():
+    "matplotlib's `Figure` class, or an `ImportError` that says how to install it."
+    try: from matplotlib.figure import Figure
+    except ImportError: raise ImportError('the plots need matplotlib: pip install matplotlib') from None
+    return Figure
+
+def _saved(fig, path: str | Path) -> Path:
+    "Lay `fig` out and write it to `path` (a PNG)."
+    fig.tight_layout()
+    fig.savefig(path)
+    return Path(path)
+
+def plot_decode_sweep(sweep: dict, path: str | Path, title: str = 'decode throughput') -> Path:
+    "A PNG of decode tokens/s against batch size: nanoserve, the peer, and the compute ceiling."
+    Figure = figure_class()
+    rows = sweep['rows']
+    batch_sizes = [r['batch_size'] for r in rows]
+    fig = Figure(figsize=(6, 3.6), dpi=100)
+    ax = fig.add_subplot()
+    ax.plot(batch_sizes, [r['nanoserve'] for r in rows], 'o-', label='nanoserve')
+    if all('transformers' in r for r in rows):
+        ax.plot(batch_sizes, [r['transformers'] for r in rows], 's--', label='transformers')
+    ax.axhline(sweep['matmul_flops'] / sweep['flops_per_token'], color='grey', lw=1, ls=':', label='compute ceiling')
+    ax.set_xscale('log', base=2)
+    ax.set_xticks(batch_sizes, [str(b) for b in batch_sizes])
+    ax.set(xlabel='batch size', ylabel='output tokens / s', title=title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _saved(fig, path)
+
+def longest_gap_stream(run: dict) -> int:
+    "The index of the stream of an online run that waited longest between two of its chunks."
+    def longest_gap(s): return max((b - a for a, b in zip(s['chunks'], s['chunks'][1:])), default=0.0) if s else -1.0
+    return max(range(len(run['streams'])), key=lambda i: longest_gap(run['streams'][i]))
+
+def plot_stream_times(runs: dict[str, dict], path: str | Path, index: int | None = None,
+                      title: str | None = None) -> Path:
+    "A PNG, per online run (by label), of one stream's chunks against time since it was sent: stalls are flat steps."
+    Figure = figure_class()
+    runs = dict(runs)
+    index = longest_gap_stream(next(iter(runs.values()))) if index is None else index
+    fig = Figure(figsize=(6, 3.6), dpi=100)
+    ax = fig.add_subplot()
+    for label, run in runs.items():
+        stream = run['streams'][index]
+        if stream is None: continue
+        times = [0.0] + [t - stream['sent'] for t in stream['chunks']]
+        ax.step(times, range(len(times)), where='post', label=label)
+    ax.set(xlabel='seconds since the request was sent', ylabel='chunks received',
+           title=title or f'stream {index}: its tokens as they arrive')
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _saved(fig, path)
+
+def plot_ablations(abl: dict, path: str | Path, title: str = 'ablations') -> Path:
+    "A PNG of the two ablations as bars: throughput with each feature on and off."
+    Figure = figure_class()
+    fig = Figure(figsize=(6, 3.2), dpi=100)
+    axes = fig.subplots(1, 2)
+    panels = [('overlap', 'overlap scheduling\n(random workload)'), ('radix', 'radix cache\n(shared prefixes)')]
+    for ax, (name, label) in zip(axes, panels):
+        ablation = abl[name]
+        bars = ax.bar(['on', 'off'], [ablation['on'], ablation['off']], color=['tab:blue', 'tab:grey'])
+        ax.bar_label(bars, fmt='%.0f')
+        ax.margins(y=0.15)
+        ax.set_title(f"{label}: x{ablation['gain']:.2f}", fontsize=9)
+        ax.set_ylabel('output tokens / s')
+    fig.suptitle(title, fontsize=10)
+    return _saved(fig, path)
 
 # %% ../nbs/15a_results.ipynb #7e2b5a09
 @dataclass(frozen=True)
