@@ -31,7 +31,8 @@ def kv_bytes_per_page(config: ModelConfig, page_size: int, dtype: torch.dtype, t
     "Bytes of keys and values of one page, over every layer, on one rank."
     return 2 * config.num_layers * page_size * local_kv_heads(config, tp_size) * config.head_dim * dtype.itemsize
 
-def num_kv_pages(engine: EngineConfig, config: ModelConfig, dtype: torch.dtype, device: torch.device, tp_size: int = 1) -> int:
+def num_kv_pages(engine: EngineConfig, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 tp_size: int = 1) -> int:
     "Pages in the KV pool: `num_pages`, or what the memory budget holds (call after the weights are loaded)."
     if engine.num_pages is not None: return engine.num_pages
     per_page = kv_bytes_per_page(config, engine.page_size, dtype, tp_size)
@@ -78,7 +79,8 @@ def make_backend(name: str,                  # `EngineConfig.attention_backend`
     "Zeroed KV pools and the attention backend `name` over them: chapter 08's, or `'cpu'`, the C backend of chapter 91."
     backends = ATTENTION_BACKENDS
     if name == 'cpu' or (name == 'auto' and device.type == 'cpu'):
-        from nanoserve.cpu_backend import CpuAttentionBackend    # the appendix: loaded here only, when a CPU asks for it
+        # the appendix: imported here only, when a CPU asks for it
+        from nanoserve.cpu_backend import CpuAttentionBackend
         backends = {**backends, 'cpu': CpuAttentionBackend}
         if CpuAttentionBackend.unsupported(device, dtype, shape[-1]) is None: name = 'cpu'
     if device.type == 'cpu': pools = [host_zeros(shape, dtype) for _ in range(2)]
@@ -91,18 +93,22 @@ class Worker:
     def __init__(self, config: EngineConfig, tp_rank: int = 0, tp_size: int = 1):
         self.config = config
         self.device = resolve_device(config.device)
-        if self.device.type == 'cuda': torch.cuda.set_device(self.device)   # 'cuda:N': this process's current device is N
+        # 'cuda:N': this process's current device is N
+        if self.device.type == 'cuda': torch.cuda.set_device(self.device)
         self.path = resolve_model_path(config.model)
         self.model_config = ModelConfig.from_pretrained(self.path)
         mc = self.model_config
         self.dtype = resolve_dtype(config.dtype, mc.dtype, self.device)
         max_len = config.max_model_len or mc.max_position_embeddings
         if max_len > mc.max_position_embeddings:
-            raise ValueError(f'max_model_len ({max_len}) exceeds the model\'s max_position_embeddings ({mc.max_position_embeddings})')
+            raise ValueError(f"max_model_len ({max_len}) exceeds the model's max_position_embeddings "
+                             f"({mc.max_position_embeddings})")
         self.model, _ = load_model(self.path, self.dtype, self.device, tp_rank, tp_size, max_positions=max_len + 1)
         self.num_pages = num_kv_pages(config, mc, self.dtype, self.device, tp_size)
         if tp_size > 1:   # every rank must hold the same pages: the smallest pool decides (chapter 12)
-            n = torch.tensor([self.num_pages], device=self.device); dist.all_reduce(n, op=dist.ReduceOp.MIN); self.num_pages = int(n)
+            num_pages = torch.tensor([self.num_pages], device=self.device)
+            dist.all_reduce(num_pages, op=dist.ReduceOp.MIN)
+            self.num_pages = int(num_pages)
         self.max_model_len = min(max_len, self.num_pages * config.page_size)
         self.allocator = PageAllocator(self.num_pages, config.page_size)
         self.table = PageTable(config.max_running_requests, self.max_model_len, self.allocator, self.device)
@@ -112,7 +118,8 @@ class Worker:
         self.backend.bind(self.model)            # the ops the model runs beside the backend
         self.graphs = None      # decode CUDA graphs (chapter 08): on a GPU, with the Triton backend
         if self.device.type == 'cuda' and self.backend.name == 'triton' and config.cuda_graph_max_bs > 0:
-            self.graphs = GraphRunner(self.model, self.backend, self.table, min(config.cuda_graph_max_bs, config.max_running_requests))
+            graph_max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
+            self.graphs = GraphRunner(self.model, self.backend, self.table, graph_max_bs)
             with torch.inference_mode(): self.graphs.capture()
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.vocab_size = mc.vocab_size
@@ -124,7 +131,7 @@ class Worker:
 
     @torch.inference_mode()
     def compute_logits(self, batch: Batch) -> torch.Tensor | None:
-        "Run the model: logits of the requests that sample, then of the positions scoring prompt tokens, or None. (Every TP rank.)"
+        "Run the model (every TP rank): logits of the sampling requests, then of the prompt-scoring positions; or None."
         meta = build_metadata(batch, self.table)
         if self.graphs is not None and meta.phase == 'decode' and self.graphs.bucket(meta.num_reqs) is not None:
             return self.graphs.replay(meta)
@@ -138,13 +145,15 @@ class Worker:
 
     @torch.inference_mode()
     def sample(self, batch: Batch, logits: torch.Tensor | None) -> SampleOutput | None:
-        "Sample the requests that sample, write their tokens into the token pool, and score prompt tokens. (Only TP rank 0.)"
+        "Sample the requests that sample, write their tokens to the token pool, score prompt tokens (TP rank 0 only)."
         if logits is None: return None
         reqs = [batch.reqs[i] for i in batch.sample_rows]
         out = SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device), [])
         if reqs:
-            sample_logits = constrain_logits(logits[:len(reqs)], reqs, self.table.tokens)   # grammar rows: allowed tokens only
-            params = SamplingBatch.from_reqs(reqs, logits.shape[-1], self.device, self.model_config.eos_token_ids, self.table.tokens)
+            # rows with a grammar keep their allowed tokens only
+            sample_logits = constrain_logits(logits[:len(reqs)], reqs, self.table.tokens)
+            params = SamplingBatch.from_reqs(reqs, logits.shape[-1], self.device, self.model_config.eos_token_ids,
+                                             self.table.tokens)
             out = self.sampler.sample(sample_logits, params)
             self.write_tokens(batch, out.tokens)
         if len(logits) > len(reqs): out.prompt = self.score_prompts(batch, logits[len(reqs):])
@@ -155,12 +164,14 @@ class Worker:
         scored = [t for r, start, n in zip(batch.reqs, batch.start_lens, batch.prompt_logit_lens)
                   for t in r.input_ids[start + 1:start + 1 + n]]
         nums = [r.sampling_params.prompt_logprobs or 0 for r in batch.reqs]
-        return PromptLogprobs.compute(logits, to_device(scored, self.device, torch.int64), batch.prompt_logit_lens, nums)
+        scored_ids = to_device(scored, self.device, torch.int64)
+        return PromptLogprobs.compute(logits, scored_ids, batch.prompt_logit_lens, nums)
 
     def write_tokens(self, batch: Batch, tokens: torch.Tensor):
         "Put the sampled tokens into the token pool, on the device, at the position after each sampling request's last."
         rows = to_device([batch.reqs[i].table_idx for i in batch.sample_rows], self.device, torch.int64)
-        cols = to_device([batch.start_lens[i] + batch.extend_lens[i] for i in batch.sample_rows], self.device, torch.int64)
+        next_positions = [batch.start_lens[i] + batch.extend_lens[i] for i in batch.sample_rows]
+        cols = to_device(next_positions, self.device, torch.int64)
         self.table.tokens[rows, cols] = tokens.to(self.table.tokens.dtype)   # the positions the launch reserved
 
 # %% ../nbs/10_engine.ipynb #9127f3dd
@@ -174,7 +185,8 @@ class Engine:
     "The worker and the scheduler in one process, stepped in a plain loop."
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.config = config or EngineConfig.from_kwargs(**kwargs)
-        if self.config.tensor_parallel_size > 1: raise ValueError('tensor_parallel_size > 1 runs one process per rank: use nanoserve.tp.TPEngine')
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError('tensor_parallel_size > 1 runs one process per rank: use nanoserve.tp.TPEngine')
         self.worker = Worker(self.config)
         self.model_config = self.worker.model_config
         self.scheduler = make_scheduler(self.config, self.worker, self.worker)
@@ -185,7 +197,9 @@ class Engine:
         prompt_ids = [int(t) for t in prompt_ids]
         params = params or SamplingParams()
         bad = [t for t in prompt_ids if not 0 <= t < self.worker.vocab_size]
-        if bad: raise ValueError(f'prompt: token id {bad[0]} is out of range for the vocabulary (size {self.worker.vocab_size})')
+        if bad:
+            raise ValueError(f'prompt: token id {bad[0]} is out of range for the vocabulary '
+                             f'(size {self.worker.vocab_size})')
         params.check_vocab(self.worker.vocab_size)
         so = params.structured_outputs
         compiled = self.grammars.submit(so) if so is not None else None   # compiles in the background (chapter 09a)
@@ -212,13 +226,15 @@ class Engine:
     @property
     def has_unfinished(self) -> bool: return not self.scheduler.idle
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Req]:
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Req]:
         "Run token-id prompts to completion; returns their finished requests, in order."
         params = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         self._next_uid = getattr(self, '_next_uid', 0)
         reqs = []
-        for p, sp in zip(prompts, params):
-            reqs.append(self.add_request(f'gen-{self._next_uid}', p, sp)); self._next_uid += 1
+        for prompt, prompt_params in zip(prompts, params):
+            reqs.append(self.add_request(f'gen-{self._next_uid}', prompt, prompt_params))
+            self._next_uid += 1
         while self.has_unfinished: self.step()
         return reqs
 

@@ -29,9 +29,10 @@ class StepHandle:
         return step_output(self.batch, self.out, self.host_tokens.tolist() if self.out is not None else [])
 
 def launch_step(runner: Worker, batch: Batch, stream: torch.cuda.Stream | None = None) -> StepHandle:
-    "Launch a batch's forward pass and sampling with `runner` (a worker, or chapter 12's leader); do not wait for the tokens."
+    "Launch a batch's forward pass and sampling with `runner` (a worker or chapter 12's leader); the tokens come later."
     if stream is None:   # a CPU: the step runs now, and its tokens are on the host already
-        with torch.inference_mode(): out = runner.sample(batch, runner.compute_logits(batch))
+        with torch.inference_mode():
+            out = runner.sample(batch, runner.compute_logits(batch))
         return StepHandle(batch, out, out.tokens if out is not None else None)
     stream.wait_stream(torch.cuda.current_stream())    # see this step's table/pool copies
     with torch.inference_mode(), torch.cuda.stream(stream):

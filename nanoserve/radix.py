@@ -24,7 +24,10 @@ class RadixNode:
         self.end = (parent.end if parent is not None else 0) + len(key)
 
     def __lt__(self, other: RadixNode) -> bool: return self.last_access < other.last_access
-    def __repr__(self): return f'RadixNode(end={self.end}, len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})'
+
+    def __repr__(self):
+        return (f'RadixNode(end={self.end}, len={len(self.key)}, lock_ref={self.lock_ref}, '
+                f'children={len(self.children)})')
 
 # %% ../nbs/04_radix.ipynb #5ffcdced
 class RadixCache:
@@ -46,6 +49,12 @@ class RadixCache:
         self._clock += 1
         return self._clock
 
+    def _page_aligned(self, ids: Sequence[int]) -> tuple[int, ...]:
+        return tuple(ids[:len(ids) // self.page_size * self.page_size])
+
+    def _node_pages(self, node: RadixNode) -> list[int]:
+        return (node.value[::self.page_size] // self.page_size).tolist()
+
     def _split(self, node: RadixNode, n: int) -> RadixNode:
         "Cut `node` after its first `n` tokens; returns the new upper part."
         upper = RadixNode(node.key[:n], node.value[:n], node.parent, node.lock_ref, node.last_access)
@@ -54,42 +63,47 @@ class RadixCache:
         upper.children[node.key[:self.page_size]] = node
         return upper
 
-    def _walk(self, ids: tuple[int, ...]) -> tuple[RadixNode, list[torch.Tensor]]:
+    def _walk(self, ids: tuple[int, ...]) -> tuple[RadixNode, torch.Tensor]:
         "Follow `ids` (page-aligned) down the tree, splitting where the match ends inside a node."
-        node, pos, values, ps, now = self.root, 0, [], self.page_size, self._tick()
+        ps, now = self.page_size, self._tick()
+        node, pos, values = self.root, 0, []
         while pos < len(ids):
             child = node.children.get(ids[pos:pos + ps])
             if child is None: break
-            n = ps
-            while n < len(child.key) and pos + n < len(ids) and child.key[n:n + ps] == ids[pos + n:pos + n + ps]: n += ps
-            if n < len(child.key): child = self._split(child, n)
+            matched = ps   # the lookup matched the first page; compare the rest a page at a time
+            while (matched < len(child.key) and pos + matched < len(ids)
+                   and child.key[matched:matched + ps] == ids[pos + matched:pos + matched + ps]):
+                matched += ps
+            if matched < len(child.key): child = self._split(child, matched)
             child.last_access = now
-            values.append(child.value); pos += n; node = child
-        return node, values
+            values.append(child.value)
+            pos += matched
+            node = child
+        return node, (torch.cat(values) if values else torch.empty(0, dtype=torch.int32))
 
     def match_prefix(self, ids: Sequence[int]) -> tuple[RadixNode, torch.Tensor]:
         "The longest cached page-aligned prefix of `ids`: the node it ends at and its token locations."
-        ids = tuple(ids[:len(ids) // self.page_size * self.page_size])
-        node, values = self._walk(ids)
-        return node, torch.cat(values) if values else torch.empty(0, dtype=torch.int32)
+        return self._walk(self._page_aligned(ids))
 
     def insert(self, ids: Sequence[int], locs: torch.Tensor) -> tuple[int, torch.Tensor, RadixNode]:
-        "Add the page-aligned part of `ids` with KV at `locs`. Returns (length already cached, its tree locations, end node)."
-        n = len(ids) // self.page_size * self.page_size
-        ids = tuple(ids[:n])
-        node, values = self._walk(ids)
+        """Add the page-aligned part of `ids` with KV at `locs`.
+        Returns (length already cached, its tree locations, end node)."""
+        ids = self._page_aligned(ids)
+        node, tree_locs = self._walk(ids)
         cached = node.end
-        if cached < n:
-            leaf = RadixNode(ids[cached:], locs[cached:n].clone(), node, last_access=self._clock)
+        if cached < len(ids):
+            leaf = RadixNode(ids[cached:], locs[cached:len(ids)].clone(), node, last_access=self._clock)
             node.children[leaf.key[:self.page_size]] = leaf
             self.evictable_size += len(leaf.key)
             node = leaf
-        return cached, (torch.cat(values) if values else torch.empty(0, dtype=torch.int32)), node
+        return cached, tree_locs, node
 
     def lock(self, node: RadixNode):
         "Protect `node` and its ancestors from eviction."
         while node is not self.root:
-            if node.lock_ref == 0: self.evictable_size -= len(node.key); self.protected_size += len(node.key)
+            if node.lock_ref == 0:
+                self.evictable_size -= len(node.key)
+                self.protected_size += len(node.key)
             node.lock_ref += 1
             node = node.parent
 
@@ -98,11 +112,13 @@ class RadixCache:
         while node is not self.root:
             assert node.lock_ref > 0, 'unlock without lock'
             node.lock_ref -= 1
-            if node.lock_ref == 0: self.evictable_size += len(node.key); self.protected_size -= len(node.key)
+            if node.lock_ref == 0:
+                self.evictable_size += len(node.key)
+                self.protected_size -= len(node.key)
             node = node.parent
 
     def evict(self, num_pages: int) -> int:
-        "Free at least `num_pages` pages (if that many are evictable), least recently used leaves first. Returns pages freed."
+        "Free at least `num_pages` pages (or all that are evictable), LRU leaves first. Returns pages freed."
         heap = [n for n in self._nodes() if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
@@ -110,21 +126,23 @@ class RadixCache:
             leaf = heapq.heappop(heap)
             parent = leaf.parent
             del parent.children[leaf.key[:self.page_size]]
-            self.allocator.free((leaf.value[::self.page_size] // self.page_size).tolist())
+            self.allocator.free(self._node_pages(leaf))
             self.evictable_size -= len(leaf.key)
             freed += len(leaf.key) // self.page_size
             if parent is not self.root and not parent.children and parent.lock_ref == 0: heapq.heappush(heap, parent)
         return freed
 
     def _nodes(self) -> list[RadixNode]:
-        out, stack = [], list(self.root.children.values())
+        nodes, stack = [], list(self.root.children.values())
         while stack:
-            n = stack.pop(); out.append(n); stack.extend(n.children.values())
-        return out
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        return nodes
 
     def pages(self) -> list[int]:
         "Every page the tree holds."
-        return [p for n in self._nodes() for p in (n.value[::self.page_size] // self.page_size).tolist()]
+        return [page for node in self._nodes() for page in self._node_pages(node)]
 
     def check_integrity(self):
         "Assert the tree's bookkeeping: alignment, structure, lock counts, sizes, and no location held twice."
@@ -132,8 +150,8 @@ class RadixCache:
         for n in self._nodes():
             assert len(n.key) == len(n.value) > 0 and len(n.key) % ps == 0, f'{n}: key/value not whole pages'
             pages = n.value.view(-1, ps)
-            assert torch.equal(pages, pages[:, :1] + torch.arange(ps, dtype=pages.dtype)) and bool((pages[:, 0] % ps == 0).all()), \
-                f'{n}: value is not whole pages'
+            consecutive = torch.equal(pages, pages[:, :1] + torch.arange(ps, dtype=pages.dtype))
+            assert consecutive and bool((pages[:, 0] % ps == 0).all()), f'{n}: value is not whole pages'
             assert n.parent.children.get(n.key[:ps]) is n and n.end == n.parent.end + len(n.key), f'{n}: broken link'
             assert n.lock_ref >= 0 and (n.parent is self.root or n.parent.lock_ref >= n.lock_ref), f'{n}: lock count'
             if n.lock_ref: protected += len(n.key)
