@@ -8,11 +8,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
-from .bench import environment_line
+from .bench import environment_line, format_table
 
 # %% auto #0
 __all__ = ['TARGETS', 'TARGET_HEADER', 'load_results', 'run_on', 'figure_class', 'plot_decode_sweep', 'longest_gap_stream',
-           'plot_stream_times', 'plot_ablations', 'Target', 'target_rows']
+           'plot_stream_times', 'plot_ablations', 'Target', 'target_rows', 'speedups_markdown', 'cpu_ablations_table']
 
 # %% ../nbs/15a_results.ipynb #7e2b5a06
 def load_results(results_dir: str | Path) -> dict[str, dict]:
@@ -173,3 +173,18 @@ def target_rows(results: dict[str, dict], targets: Sequence[Target] = TARGETS) -
         rows.append((target.name, target.fmt.format(target.figure(res)), bound, 'met' if target.met(res) else 'NOT met',
                      target.detail(res), f'{target.result}.json', run_on(res)))
     return rows
+
+# %% ../nbs/15a_results.ipynb #5f0e1a01
+def speedups_markdown(doc: dict) -> str:
+    "The steps that made the engine fast, as stored (`speedups.json`): a Markdown table, one row a step."
+    def effect(e):
+        before, after = (f"x{e[k]:g}" if e['unit'] == 'x' else f"{e[k]:g}" for k in ('before', 'after'))
+        unit = '' if e['unit'] == 'x' else f" {e['unit']}"
+        return f"{e['what']}: {before} -> {after}{unit}"
+    rows = [f"| {s['step']} | {s['change']} | {'; '.join(effect(e) for e in s['effects'])} |" for s in doc['steps']]
+    return '\n'.join(['| step | what it changes | measured effect |', '|---|---|---|', *rows])
+
+def cpu_ablations_table(res: dict) -> str:
+    "A stored `scripts/cpu_ablations.py --json` run: each variant's median step time and its ratio to all on."
+    rows = [(v['variant'], v['median_ms'], f"x{v['ratio']:.2f}") for v in res['variants']]
+    return format_table([f"decode batch {res['batch_size']}: variant", 'ms per step', 'ratio'], rows)

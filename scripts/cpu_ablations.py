@@ -7,16 +7,17 @@ and alternated step by step so that the machine's noise hits them alike. 'all on
 (the backend's layers runner, `decode_layers_cpu`); every other variant runs them through the modules, the second with
 nothing else changed. Prints the median step time of each, and its ratio to everything on:
 
-    python scripts/cpu_ablations.py [BATCH]      # default 32
+    python scripts/cpu_ablations.py [BATCH] [--json PATH]     # default 32; PATH: store the run (chapter 15a reads it)
 
 and, for prefill, one step of 64 prompts of 128 tokens (8192 tokens) with the linears through the C product,
 oneDNN (packed weights) or MKL, alternated:
 
     python scripts/cpu_ablations.py prefill [ROUNDS]   # default 3
 """
-import random, statistics, sys, time
+import json, random, statistics, sys, time
 import torch
 import torch.nn.functional as F
+from nanoserve.bench import environment
 from nanoserve.config import EngineConfig
 from nanoserve.checkpoints import smollm2_path
 from nanoserve.llm import make_engine
@@ -46,7 +47,7 @@ def use(engine, cpu, reference, products, name):
     kind = 'MKL' if name.startswith('MKL') else 'oneDNN' if name.startswith('oneDNN') else 'C'
     model.use_ops(small._replace(linear=products[kind]))
 
-def main(batch: int = 32, rounds: int = 6):
+def main(batch: int = 32, rounds: int = 6, json_path: str | None = None):
     engine = make_engine(EngineConfig(model=str(smollm2_path()), enable_overlap=False))
     rng = random.Random(0)
     for i in range(batch):
@@ -63,13 +64,21 @@ def main(batch: int = 32, rounds: int = 6):
     for _ in range(rounds):
         for name in VARIANTS:
             use(engine, cpu, reference, products, name)
-            start = time.perf_counter(); engine.step(); times[name].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            engine.step()
+            times[name].append(time.perf_counter() - start)
     use(engine, cpu, reference, products, 'all on')
     base = statistics.median(times['all on'])
     print(f'decode batch {batch}, contexts 32-512; median ms per step over {rounds} steps each, variants interleaved')
+    rows = []
     for name in VARIANTS:
         t = statistics.median(times[name])
+        rows.append(dict(variant=name, median_ms=1e3 * t, ratio=t / base, step_ms=[1e3 * x for x in times[name]]))
         print(f'{name:48s} {1e3 * t:7.1f} ms  x{t / base:.2f}')
+    if json_path:
+        result = dict(kind='cpu-ablations', batch_size=batch, rounds=rounds, variants=rows, environment=environment(),
+                      command=f'python scripts/cpu_ablations.py {batch}')
+        with open(json_path, 'w') as f: json.dump(result, f, indent=1)
 
 def prefill(rounds: int = 3):
     engine = make_engine(EngineConfig(model=str(smollm2_path()), enable_overlap=False, enable_prefix_caching=False))
@@ -82,7 +91,9 @@ def prefill(rounds: int = 3):
         for name in times:
             model.use_ops(cpu.ops._replace(linear=products[name.split()[0]]))
             for i in range(64): engine.add_request(f'{r}-{name}-{i}', [rng.randrange(100, 10000) for _ in range(128)], sp)
-            start = time.perf_counter(); engine.step(); times[name].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            engine.step()
+            times[name].append(time.perf_counter() - start)
             while engine.has_unfinished: engine.step()
     model.use_ops(cpu.ops)
     base = statistics.median(times['C product'])
@@ -91,4 +102,8 @@ def prefill(rounds: int = 3):
 
 if __name__ == '__main__':
     if sys.argv[1:2] == ['prefill']: prefill(*map(int, sys.argv[2:]))
-    else: main(*map(int, sys.argv[1:]))
+    else:
+        args = sys.argv[1:]
+        json_path = args.pop(args.index('--json') + 1) if '--json' in args else None
+        if '--json' in args: args.remove('--json')
+        main(*map(int, args), json_path=json_path)
