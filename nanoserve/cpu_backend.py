@@ -10,9 +10,10 @@ from torch import nn
 
 from .model import ColumnParallelLinear, DecoderForCausalLM, Ops, ParallelLMHead, RMSNorm, RowParallelLinear
 from .metadata import AttentionBackend, Extend, ForwardMeta, attend_extends, extends
-from .cpu_kernels import (
-    CPU_KERNELS_ENV, DecoderWeights, LayerWeights, PagedAttention, Panels, cpu_kernels, decode_layers_cpu, extend_blocks,
-    linear_cpu, pack_decoder, pack_panels, rms_norm_cpu, rope_cpu, shared_prefix_blocks, silu_and_mul_cpu)
+from nanoserve.cpu_kernels import (
+    CPU_KERNELS_ENV, DecoderWeights, LayerWeights, PagedAttention, Panels, cpu_kernels, decode_layers_cpu,
+    extend_blocks, linear_cpu, pack_decoder, pack_panels, rms_norm_cpu, rope_cpu, shared_prefix_blocks,
+    silu_and_mul_cpu)
 
 # %% auto #0
 __all__ = ['PackedLinears', 'cpu_ops', 'decoder_weights', 'CpuAttentionBackend']
@@ -43,7 +44,7 @@ class PackedLinears:
         return linear_cpu(x, packed[1], bias)
 
 def cpu_ops(packed: PackedLinears) -> Ops:
-    "Appendix A's small ops and the C product of `packed`'s weights (each falls back to its reference where C cannot go)."
+    "Appendix A's small ops and the C product of `packed`'s weights; each falls back to its reference where C cannot."
     return Ops(rms_norm_cpu, rope_cpu, silu_and_mul_cpu, packed.linear)
 
 # %% ../nbs/91_cpu_backend.ipynb #91a0000a
@@ -82,7 +83,6 @@ class CpuAttentionBackend(AttentionBackend):
         if cpu_kernels() is None: return f'the C kernels are not available here (no C compiler, or {CPU_KERNELS_ENV}=0)'
         return None
 
-
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float):
         why = self.unsupported(k_cache.device, k_cache.dtype, k_cache.shape[-1])
         if why: raise ValueError(f"attention_backend 'cpu': {why}")
@@ -100,7 +100,7 @@ class CpuAttentionBackend(AttentionBackend):
         model.use_layers_runner(self.decode_layers if self.decoder is not None else None)
 
     def prepare(self, meta: ForwardMeta):
-        "Plan the step once for all layers: a decode in blocks of rows sharing pages; a prefill split between C and torch."
+        "Plan the step for all layers: a decode in blocks of rows sharing pages, a prefill split between C and torch."
         self.meta, ps = meta, meta.page_size
         if meta.phase == 'decode':
             lens = meta.host_seq_lens if meta.host_seq_lens is not None else meta.seq_lens.tolist()
@@ -108,23 +108,27 @@ class CpuAttentionBackend(AttentionBackend):
             self._plan = PagedAttention(meta.page_table, meta.table_idx, meta.seq_lens, ps, blocks)
             return
         requests, limit = extends(meta), self.kernel_extend_max
-        pick = [i for i, (_, _, n, _) in enumerate(requests) if limit is None or n <= limit]
-        self._kernel_rows = None          # (the picked requests' tokens in the batch, their plan)
-        if pick:
-            tokens = torch.cat([torch.arange(start, start + n) for _, _, n, start in (requests[i] for i in pick)])
-            rows = torch.repeat_interleave(meta.table_idx[pick], meta.extend_lens[pick])
-            blocks = extend_blocks([requests[i][1] for i in pick], [requests[i][2] for i in pick])
+        kernel_idx = [i for i, (_, _, new, _) in enumerate(requests) if limit is None or new <= limit]
+        kernel_requests = [requests[i] for i in kernel_idx]
+        self._kernel_rows = None          # (the kernel's requests' tokens in the batch, their plan)
+        if kernel_idx:
+            tokens = torch.cat([torch.arange(start, start + new) for _, _, new, start in kernel_requests])
+            rows = torch.repeat_interleave(meta.table_idx[kernel_idx], meta.extend_lens[kernel_idx])
+            blocks = extend_blocks([prefix for _, prefix, _, _ in kernel_requests],
+                                   [new for _, _, new, _ in kernel_requests])
             seen = (meta.positions[tokens] + 1).int()                     # each token sees up to itself
             plan = PagedAttention(meta.page_table, rows, seen, ps, blocks)
             self._kernel_rows = (tokens, plan)
-        picked = set(pick)
-        self._torch_requests: list[Extend] = [r for i, r in enumerate(requests) if i not in picked]
+        in_kernel = set(kernel_idx)
+        self._torch_requests: list[Extend] = [r for i, r in enumerate(requests) if i not in in_kernel]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         "Store `k`, `v` `[T, KVH, D]` for `layer`, then attend with `q` `[T, H, D]`; returns `[T, H, D]`."
         m, kc, vc = self.meta, self.k_cache[layer], self.v_cache[layer]
-        if m.phase == 'decode':           # one call: store the new keys and values, then read each request's pages in place
-            return self._plan.run(q, kc, vc, self.scale, k_new=k.to(kc.dtype), v_new=v.to(vc.dtype), new_slots=m.out_loc)
+        if m.phase == 'decode':
+            # one call: store the new keys and values, then read each request's pages in place
+            return self._plan.run(q, kc, vc, self.scale, k_new=k.to(kc.dtype), v_new=v.to(vc.dtype),
+                                  new_slots=m.out_loc)
         kc[m.out_loc] = k.to(kc.dtype)
         vc[m.out_loc] = v.to(vc.dtype)
         out = torch.empty_like(q)

@@ -98,18 +98,20 @@ class RequestOutput:
 
 # %% ../nbs/13_llm.ipynb #479f04d6
 def make_engine(config: EngineConfig) -> Engine:
-    "The engine for `config`: tensor-parallel ranks when `tensor_parallel_size > 1`; overlapped unless `enable_overlap` is off."
+    "The engine for `config`: tensor-parallel if `tensor_parallel_size > 1`, overlapped unless `enable_overlap` is off."
     if config.tensor_parallel_size > 1: return (OverlapTPEngine if config.enable_overlap else TPEngine)(config)
     return (OverlapEngine if config.enable_overlap else Engine)(config)
 
 # %% ../nbs/13_llm.ipynb #f116b443
+@dataclass
 class _Seq:
     "A sequence being generated: its engine request and its detokenizer."
-    def __init__(self, req: Req, detok: IncrementalDetokenizer): self.req, self.detok = req, detok
+    req: Req
+    detok: IncrementalDetokenizer
 
 class LLM:
-    "Offline generation: tokenizer + engine in one process. `with LLM(...) as llm:` or `llm.shutdown()` releases it."
-    def __init__(self, model: str,                # a model directory, a hub id, or a named model (`smollm2`, chapter 14z)
+    "Offline generation: tokenizer and engine in one process; `with LLM(...) as llm:` or `llm.shutdown()` frees it."
+    def __init__(self, model: str,   # a model directory, a hub id, or a named model (`smollm2`, chapter 14z)
                  tokenizer: str | None = None, **engine_kwargs):
         from transformers import AutoTokenizer
         from nanoserve.checkpoints import resolve_model     # a later chapter: named models, converted once
@@ -128,8 +130,9 @@ class LLM:
     def __exit__(self, *exc): self.shutdown()
 
     def _as_prompts(self, prompts) -> list[tuple[str | None, list[int]]]:
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        "Per prompt, its text (None if given as ids) and its token ids; one prompt or a list of them."
+        one_id_list = isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
+        if isinstance(prompts, str) or one_id_list: prompts = [prompts]
         out = []
         for p in prompts:
             if isinstance(p, str): out.append((p, self.tokenizer(p).input_ids))
@@ -143,14 +146,16 @@ class LLM:
         "Generate completions for `prompts` (text or token ids); returns one `RequestOutput` per prompt, in order."
         if self.engine is None: raise RuntimeError('LLM: this engine was shut down; make a new LLM')
         prompts = self._as_prompts(prompts)
-        params = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params or SamplingParams()] * len(prompts)
+        params = (sampling_params if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params or SamplingParams()] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f'sampling_params: got {len(params)} for {len(prompts)} prompts')
         for (_, ids), sp in zip(prompts, params): self._check(ids, sp)
         return self._run(prompts, params, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
         "Generate replies to a conversation (a list of {'role', 'content'} dicts) or a list of conversations."
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
@@ -165,7 +170,8 @@ class LLM:
 
     def _check(self, ids: list[int], sp: SamplingParams):
         "Raise `ValueError` now for a request the engine would refuse."
-        if not isinstance(sp, SamplingParams): raise ValueError(f'sampling_params: expected SamplingParams, got {type(sp).__name__}')
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f'sampling_params: expected SamplingParams, got {type(sp).__name__}')
         if not ids: raise ValueError('prompt: the prompt is empty')
         vocab = self.engine.worker.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
@@ -179,14 +185,17 @@ class LLM:
         if sp.structured_outputs is not None: self.engine.grammars.submit(sp.structured_outputs)   # a bad grammar: now
 
     def _run(self, prompts, params, use_tqdm) -> list[RequestOutput]:
+        "Add a request per prompt and choice, step the engine until every one finishes, and collect the outputs."
         seqs: list[list[_Seq]] = []
         by_uid: dict[str, _Seq] = {}
         for (text, ids), sp in zip(prompts, params):
             group = []
             for sub in sp.per_choice():
-                uid = f'llm-{self._counter}'; self._counter += 1
+                uid = f'llm-{self._counter}'
+                self._counter += 1
                 s = _Seq(self.engine.add_request(uid, ids, sub), IncrementalDetokenizer(self.tokenizer, ids, sub))
-                group.append(s); by_uid[uid] = s
+                group.append(s)
+                by_uid[uid] = s
             seqs.append(group)
         bar = tqdm(total=len(prompts), desc='Processed prompts', disable=not use_tqdm, dynamic_ncols=True)
         start, generated, done = time.perf_counter(), 0, set()
@@ -208,19 +217,27 @@ class LLM:
             for s in by_uid.values():
                 if not s.req.finished: self.engine.abort(s.req.uid)
             bar.close()
-        return [RequestOutput(group[0].req.uid, text, list(ids), [_completion(k, s) for k, s in enumerate(group)], True,
-                              _logprob_dicts(group[0].req.prompt_logprobs) if group[0].req.prompt_logprobs else None)
-                for (text, ids), group in zip(prompts, seqs)]
+        return [_request_output(text, ids, group) for (text, ids), group in zip(prompts, seqs)]
 
 def _logprob_dicts(entries: list) -> list[dict[int, float] | None]:
     "Per token, its id and the top-N's, id -> logprob (None stays None)."
     return [None if lp is None else {lp.token: lp.logprob, **{t: l for t, l in lp.top}} for lp in entries]
 
 def _completion(index: int, s: _Seq) -> CompletionOutput:
+    "The finished sequence `s` as choice number `index`."
     req, detok = s.req, s.detok
-    lps = None
-    if req.sampling_params.logprobs is not None: lps = _logprob_dicts(req.output_logprobs)
-    cum = sum(lp.logprob for lp in req.output_logprobs) if req.output_logprobs else None
+    logprobs = None
+    if req.sampling_params.logprobs is not None: logprobs = _logprob_dicts(req.output_logprobs)
+    cumulative = sum(lp.logprob for lp in req.output_logprobs) if req.output_logprobs else None
     last = req.output_ids[-1] if req.output_ids else None
-    stop_reason = detok.stopped_by if detok.stopped_by is not None else (last if last in req.sampling_params.stop_token_ids else None)
-    return CompletionOutput(index, detok.text, list(req.output_ids), cum, lps, req.finish_reason.value if req.finish_reason else None, stop_reason)
+    stop_reason = detok.stopped_by
+    if stop_reason is None and last in req.sampling_params.stop_token_ids: stop_reason = last
+    finish_reason = req.finish_reason.value if req.finish_reason else None
+    return CompletionOutput(index, detok.text, list(req.output_ids), cumulative, logprobs, finish_reason, stop_reason)
+
+def _request_output(prompt: str | None, prompt_ids: list[int], group: list[_Seq]) -> RequestOutput:
+    "One prompt's finished output: a completion per sequence of `group`, and the prompt logprobs if it asked."
+    first = group[0].req
+    prompt_logprobs = _logprob_dicts(first.prompt_logprobs) if first.prompt_logprobs else None
+    completions = [_completion(k, s) for k, s in enumerate(group)]
+    return RequestOutput(first.uid, prompt, list(prompt_ids), completions, True, prompt_logprobs)

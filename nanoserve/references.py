@@ -14,7 +14,9 @@ import torch
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     "RMSNorm over the last dim; with `residual`, normalise `x + residual` and also return that sum."
-    if residual is not None: x = (x.float() + residual.float()).to(x.dtype); residual = x
+    if residual is not None:
+        x = (x.float() + residual.float()).to(x.dtype)
+        residual = x
     xf = x.float()
     out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
     return out if residual is None else (out, residual)
@@ -25,17 +27,21 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     if scaling is None: return inv_freq
     if scaling['rope_type'] == 'linear': return inv_freq / scaling['factor']
-    factor, low, high, orig = (scaling[k] for k in ('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings'))
+    fields = ('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings')
+    factor, low, high, orig = (scaling[k] for k in fields)
     wavelen = 2 * math.pi / inv_freq
     smooth = ((orig / wavelen - low) / (high - low)).clamp(0, 1)   # 0: long wavelengths, 1: short ones
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq
 
-def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
+                       scaling: dict | None = None) -> torch.Tensor:
     "fp32 `[max_positions, head_dim]`: cos of every angle in the first half, sin in the second."
-    angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    angles = torch.outer(positions, rope_inv_freq(head_dim, theta, scaling))
     return torch.cat([angles.cos(), angles.sin()], dim=-1)
 
-def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+             cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     "Rotate `q` `[T, H, D]` and `k` `[T, KVH, D]` by their `positions` `[T]`, in place; returns them."
     half = q.shape[-1] // 2
     cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)    # [T, 1, D/2] each
@@ -52,7 +58,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate.float()).to(x.dtype) * up
 
 # %% ../nbs/05z_references.ipynb #e9b7e141
-def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor) -> None:
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 out_loc: torch.Tensor) -> None:
     "Write `k`, `v` `[T, KVH, D]` into slots `out_loc` `[T]` of the caches, skipping entries of -1 (padding)."
     keep = out_loc >= 0
     loc = out_loc[keep].long()
@@ -61,8 +68,10 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 # %% ../nbs/05z_references.ipynb #8dfba35c
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                         table_idx: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
-    "Attention of one query per request `q` `[B, H, D]` over positions `[0, seq_len)` of its page-table row; `[B, H, D]`."
+                         table_idx: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         num_splits: int | None = None,  # the Triton kernel's split count; the same answer without it
+                         ) -> torch.Tensor:
+    "Attention of each request's one query `q` `[B, H, D]` over positions `[0, seq_len)` of its page-table row."
     (B, H, D), KVH = q.shape, k_cache.shape[1]
     L = int(seq_lens.max())
     valid = torch.arange(L, device=q.device)[None] < seq_lens[:, None].long()          # [B, L]
@@ -72,9 +81,10 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     scores = scores.masked_fill(~valid[:, None, None], float('-inf'))
     return torch.einsum('bkgl,blkd->bkgd', scores.softmax(-1), v).reshape(B, H, D).to(q.dtype)
 
-def extend_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         page_table: torch.Tensor, table_idx: torch.Tensor, prefix_lens: torch.Tensor,
-                         extend_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def extend_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                         table_idx: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
     "Causal attention of the new tokens `q` `[T, H, D]` over their prefix (through the page table) and themselves."
     (T, H, D), KVH = q.shape, k.shape[1]
     out, start = torch.empty_like(q), 0
@@ -82,9 +92,11 @@ def extend_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
         locs = page_table[row, :p].long()
         keys = torch.cat([k_cache[locs].float(), k[start:start + e].float()])           # [p + e, KVH, D]
         values = torch.cat([v_cache[locs].float(), v[start:start + e].float()])
-        scores = torch.einsum('tkgd,lkd->kgtl', q[start:start + e].float().view(e, KVH, H // KVH, D), keys) * scale
+        queries = q[start:start + e].float().view(e, KVH, H // KVH, D)
+        scores = torch.einsum('tkgd,lkd->kgtl', queries, keys) * scale
         causal = torch.arange(p + e, device=q.device)[None] <= torch.arange(p, p + e, device=q.device)[:, None]
         scores = scores.masked_fill(~causal, float('-inf'))
-        out[start:start + e] = torch.einsum('kgtl,lkd->tkgd', scores.softmax(-1), values).reshape(e, H, D).to(q.dtype)
+        attended = torch.einsum('kgtl,lkd->tkgd', scores.softmax(-1), values)
+        out[start:start + e] = attended.reshape(e, H, D).to(q.dtype)
         start += e
     return out
