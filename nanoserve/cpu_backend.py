@@ -7,13 +7,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from .model import ColumnParallelLinear, DecoderForCausalLM, Ops, ParallelLMHead, RMSNorm, RowParallelLinear
 from .metadata import AttentionBackend, Extend, ForwardMeta, attend_extends, extends
-from nanoserve.cpu_kernels import (
-    CPU_KERNELS_ENV, DecoderWeights, LayerWeights, PagedAttention, Panels, cpu_kernels, decode_layers_cpu,
-    extend_blocks, linear_cpu, pack_decoder, pack_panels, rms_norm_cpu, rope_cpu, shared_prefix_blocks,
-    silu_and_mul_cpu)
+from .cpu_kernels import CPU_KERNELS_ENV, DecoderWeights, LayerWeights, PagedAttention, Panels, cpu_kernels
+from .cpu_kernels import decode_layers_cpu, extend_blocks, linear_cpu, pack_decoder, pack_panels
+from .cpu_kernels import rms_norm_cpu, rope_cpu, shared_prefix_blocks, silu_and_mul_cpu
 
 # %% auto #0
 __all__ = ['PackedLinears', 'cpu_ops', 'decoder_weights', 'CpuAttentionBackend']
