@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_kernels.ipynb #ebb437c1
 from __future__ import annotations
-import math, os, re
+import os, re
 import torch
 import triton
 from .references import decode_attention_ref
@@ -24,7 +24,8 @@ def _rows_per_program(block_cols: int) -> int: return max(1, _ELEMENTS // block_
 
 # %% ../nbs/06_kernels.ipynb #0360c2b5
 @triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, n_rows, n_cols, eps,
+def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr,
+                     n_rows, n_cols, eps,
                      stride_x, stride_r, stride_o, stride_s,
                      HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
@@ -52,13 +53,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     block_r = min(_rows_per_program(block_c), triton.next_power_of_2(max(x2.shape[0], 1)))
     if x2.shape[0]:
         _rms_norm_kernel[(triton.cdiv(x2.shape[0], block_r),)](
-            x2, r2, weight, out, total, x2.shape[0], n_cols, eps, x2.stride(0), r2.stride(0), out.stride(0), total.stride(0),
+            x2, r2, weight, out, total,
+            x2.shape[0], n_cols, eps,
+            x2.stride(0), r2.stride(0), out.stride(0), total.stride(0),
             HAS_RESIDUAL=residual is not None, BLOCK_R=block_r, BLOCK_C=block_c)
     return out.view(shape) if residual is None else (out.view(shape), total.view(shape))
 
 # %% ../nbs/06_kernels.ipynb #47377123
 @triton.jit
-def _rope_heads(x_ptr, tokens, token_mask, pos, cos_sin_ptr, stride_cs, stride_t, stride_h, num_heads,
+def _rope_heads(x_ptr, cos_sin_ptr,
+                tokens, token_mask, pos, num_heads,
+                stride_t, stride_h, stride_cs,
                 HALF: tl.constexpr, BLOCK_C: tl.constexpr):
     c = tl.arange(0, BLOCK_C)
     i = c % HALF
@@ -73,31 +78,41 @@ def _rope_heads(x_ptr, tokens, token_mask, pos, cos_sin_ptr, stride_cs, stride_t
     tl.store(first + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr, n_tokens, num_q_heads, num_k_heads,
+def _rope_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr,
+                 n_tokens, num_q_heads, num_k_heads,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
                  HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_QC: tl.constexpr, BLOCK_KC: tl.constexpr):
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     token_mask = tokens < n_tokens
     pos = tl.load(positions_ptr + tokens, mask=token_mask, other=0).to(tl.int64)
-    _rope_heads(q_ptr, tokens, token_mask, pos, cos_sin_ptr, stride_cs, stride_qt, stride_qh, num_q_heads, HALF, BLOCK_QC)
-    _rope_heads(k_ptr, tokens, token_mask, pos, cos_sin_ptr, stride_cs, stride_kt, stride_kh, num_k_heads, HALF, BLOCK_KC)
+    _rope_heads(q_ptr, cos_sin_ptr, tokens, token_mask, pos, num_q_heads,
+                stride_qt, stride_qh, stride_cs, HALF, BLOCK_QC)
+    _rope_heads(k_ptr, cos_sin_ptr, tokens, token_mask, pos, num_k_heads,
+                stride_kt, stride_kh, stride_cs, HALF, BLOCK_KC)
 
-def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+         cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     "Triton `rope_ref`: rotate `q` `[T, H, D]` and `k` `[T, KVH, D]` by `positions` in place; returns them."
     (T, H, D), KVH = q.shape, k.shape[1]
-    assert q.stride(-1) == k.stride(-1) == 1 and cos_sin.dtype == torch.float32 and cos_sin.shape[-1] == D and D % 2 == 0
+    assert q.stride(-1) == k.stride(-1) == 1 and D % 2 == 0
+    assert cos_sin.dtype == torch.float32 and cos_sin.shape[-1] == D
     cos_sin = cos_sin.contiguous()
     block_qc, block_kc = triton.next_power_of_2(H * D // 2), triton.next_power_of_2(KVH * D // 2)
     block_t = min(_rows_per_program(block_qc), triton.next_power_of_2(max(T, 1)))
     if T:
         _rope_kernel[(triton.cdiv(T, block_t),)](
-            q, k, positions, cos_sin, T, H, KVH, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
+            q, k, positions, cos_sin,
+            T, H, KVH,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin.stride(0),
             HALF=D // 2, BLOCK_T=block_t, BLOCK_QC=block_qc, BLOCK_KC=block_kc)
     return q, k
 
 # %% ../nbs/06_kernels.ipynb #348def6c
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_rows, n_cols, stride_x, stride_o, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr,
+                         n_rows, n_cols,
+                         stride_x, stride_o,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -116,13 +131,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block_r = min(_rows_per_program(block_c), triton.next_power_of_2(max(x2.shape[0], 1)))
     if x2.shape[0]:
         _silu_and_mul_kernel[(triton.cdiv(x2.shape[0], block_r), triton.cdiv(n_cols, block_c))](
-            x2, out, x2.shape[0], n_cols, x2.stride(0), out.stride(0), BLOCK_R=block_r, BLOCK_C=block_c)
+            x2, out,
+            x2.shape[0], n_cols,
+            x2.stride(0), out.stride(0),
+            BLOCK_R=block_r, BLOCK_C=block_c)
     return out.view(*x.shape[:-1], n_cols)
 
 # %% ../nbs/06_kernels.ipynb #cd021dd1
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_loc_ptr, n_tokens,
-                     stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_loc_ptr,
+                     n_tokens,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
                      NUM_COLS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     tokens = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     loc = tl.load(out_loc_ptr + tokens, mask=tokens < n_tokens, other=-1).to(tl.int64)
@@ -131,10 +151,13 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_loc_ptr, n_toke
     mask = (loc >= 0)[:, None] & (c < NUM_COLS)[None, :]
     k = tl.load(k_ptr + tokens[:, None] * stride_kt + head[None, :] * stride_kh + d[None, :], mask=mask)
     v = tl.load(v_ptr + tokens[:, None] * stride_vt + head[None, :] * stride_vh + d[None, :], mask=mask)
-    tl.store(k_cache_ptr + loc[:, None] * stride_kc_s + head[None, :] * stride_kc_h + d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + loc[:, None] * stride_vc_s + head[None, :] * stride_vc_h + d[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + loc[:, None] * stride_kc_s + head[None, :] * stride_kc_h + d[None, :],
+             k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + loc[:, None] * stride_vc_s + head[None, :] * stride_vc_h + d[None, :],
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             out_loc: torch.Tensor) -> None:
     "Triton `store_kv_ref`: write `k`, `v` into slots `out_loc` of the caches, in place, skipping -1."
     T, KVH, D = k.shape
     assert v.shape == k.shape and k.stride(-1) == v.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
@@ -143,9 +166,12 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     block_t = min(_rows_per_program(block_c), triton.next_power_of_2(max(T, 1)))
     if T:
         _store_kv_kernel[(triton.cdiv(T, block_t),)](
-            k, v, k_cache, v_cache, out_loc, T, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k, v, k_cache, v_cache, out_loc,
+            T,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-            NUM_COLS=KVH * D, HEAD_DIM=D, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=8)   # 4 warps spill at 1024 columns
+            NUM_COLS=KVH * D, HEAD_DIM=D, BLOCK_T=block_t, BLOCK_C=block_c,
+            num_warps=8)   # 4 warps spill at 1024 columns
 
 # %% ../nbs/06_kernels.ipynb #eb0ae898
 @triton.jit
@@ -158,84 +184,115 @@ def _attend_tile(q, k, v, mask, m, l, acc, qk_scale, P_TYPE: tl.constexpr, PRECI
     alpha = tl.exp2(m - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(P_TYPE).to(v.dtype), v, input_precision=PRECISION)   # p rounded as the pool
+    # p is rounded to the pool's dtype, as the pool holds the values
+    acc = acc * alpha[:, None] + tl.dot(p.to(P_TYPE).to(v.dtype), v, input_precision=PRECISION)
     return m_new, l, acc
+
+@triton.jit
+def _attend_paged(q, m, l, acc, k_cache_ptr, v_cache_ptr, page_table_ptr,
+                  table_row, kv_head, lo, hi, qk_scale,
+                  stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, stride_pt,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr):
+    "Fold positions `[lo, hi)` of a request, read from the pool through its page-table row, into `(m, l, acc)`."
+    n, d = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+    d_mask = (d < HEAD_DIM)[None, :]
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + n
+        n_mask = pos < hi
+        loc = tl.load(page_table_ptr + table_row * stride_pt + pos, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask
+        k = tl.load(k_cache_ptr + loc[:, None] * stride_kc_s + kv_head * stride_kc_h + d[None, :],
+                    mask=kv_mask, other=0.0).to(DOT_TYPE)
+        v = tl.load(v_cache_ptr + loc[:, None] * stride_vc_s + kv_head * stride_vc_h + d[None, :],
+                    mask=kv_mask, other=0.0).to(DOT_TYPE)
+        m, l, acc = _attend_tile(q, k, v, n_mask[None, :], m, l, acc, qk_scale, k_cache_ptr.dtype.element_ty, PRECISION)
+    return m, l, acc
 
 _TL_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 def _dot_type(pool_dtype: torch.dtype):
-    "The operand type of the attention dots: the pool's, with fp32 accumulation; fp32 in the interpreter (no bf16 dots)."
+    "Operand type of the attention dots (fp32 accumulation): the pool's dtype; fp32 in the interpreter (no bf16 dots)."
     return tl.float32 if INTERPRET else _TL_TYPES[pool_dtype]
 
 # %% ../nbs/06_kernels.ipynb #e8a75db8
 @triton.jit
-def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_idx_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
-                         qk_scale, num_splits, stride_qb, stride_qh, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, stride_pt,
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_idx_ptr, seq_lens_ptr,
+                         mid_o_ptr, mid_lse_ptr,
+                         qk_scale, num_splits,
+                         stride_qb, stride_qh, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, stride_pt,
                          stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
-                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr, DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr, SINGLE: tl.constexpr):
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr, SINGLE: tl.constexpr):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    row = tl.load(table_idx_ptr + b).to(tl.int64)
+    table_row = tl.load(table_idx_ptr + b).to(tl.int64)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N          # this request's positions per split
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
-    g, n, d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
+    g, d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g                                                 # the query heads of this KV head
-    d_mask = (d < HEAD_DIM)[None, :]
-    hd_mask = (g < GROUP)[:, None] & d_mask
+    hd_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     b64 = b.to(tl.int64)
-    q = tl.load(q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=hd_mask, other=0.0).to(DOT_TYPE)
+    q_ptrs = q_ptr + b64 * stride_qb + heads[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=hd_mask, other=0.0).to(DOT_TYPE)
     m = tl.full([BLOCK_H], float('-inf'), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + n
-        n_mask = pos < hi
-        loc = tl.load(page_table_ptr + row * stride_pt + pos, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask
-        k = tl.load(k_cache_ptr + loc[:, None] * stride_kc_s + kv_head * stride_kc_h + d[None, :], mask=kv_mask, other=0.0).to(DOT_TYPE)
-        v = tl.load(v_cache_ptr + loc[:, None] * stride_vc_s + kv_head * stride_vc_h + d[None, :], mask=kv_mask, other=0.0).to(DOT_TYPE)
-        m, l, acc = _attend_tile(q, k, v, n_mask[None, :], m, l, acc, qk_scale, k_cache_ptr.dtype.element_ty, PRECISION)
+    m, l, acc = _attend_paged(q, m, l, acc, k_cache_ptr, v_cache_ptr, page_table_ptr,
+                              table_row, kv_head, lo, hi, qk_scale,
+                              stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, stride_pt,
+                              HEAD_DIM, BLOCK_N, BLOCK_D, DOT_TYPE, PRECISION)
     l_safe = tl.maximum(l, 1e-30)                                               # an empty chunk has l = 0
     lse = tl.where(l > 0, m + tl.log2(l_safe), float('-inf'))
     o_ptrs = mid_o_ptr + b64 * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + d[None, :]
-    tl.store(o_ptrs, (acc / l_safe[:, None]).to(mid_o_ptr.dtype.element_ty), mask=hd_mask)   # SINGLE: the output itself
+    # with SINGLE, mid_o is the output itself
+    tl.store(o_ptrs, (acc / l_safe[:, None]).to(mid_o_ptr.dtype.element_ty), mask=hd_mask)
     if not SINGLE: tl.store(mid_lse_ptr + b64 * stride_ml_b + heads * stride_ml_h + split, lse, mask=g < GROUP)
 
 @triton.jit
-def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr, num_heads, num_splits,
+def _decode_merge_kernel(mid_o_ptr, mid_lse_ptr, out_ptr,
+                         num_heads, num_splits,
                          stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ob, stride_oh,
                          HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     s, d = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_D)
-    hs_mask = (h < num_heads)[:, None] & (s < num_splits)[None, :]
-    lse = tl.load(mid_lse_ptr + b * stride_ml_b + h[:, None] * stride_ml_h + s[None, :], mask=hs_mask, other=float('-inf'))
+    h_mask = (h < num_heads)[:, None]
+    d_mask = (d < HEAD_DIM)[None, :]
+    hs_mask = h_mask & (s < num_splits)[None, :]
+    lse_ptrs = mid_lse_ptr + b * stride_ml_b + h[:, None] * stride_ml_h + s[None, :]
+    lse = tl.load(lse_ptrs, mask=hs_mask, other=float('-inf'))
     top = tl.max(lse, 1)
     top = tl.where(top == float('-inf'), 0.0, top)                              # only for padded head rows
     w = tl.exp2(lse - top[:, None])                                             # [BLOCK_H, BLOCK_S]
-    o = tl.load(mid_o_ptr + b * stride_mo_b + h[:, None, None] * stride_mo_h + s[None, :, None] * stride_mo_s + d[None, None, :],
-                mask=hs_mask[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)
+    o_ptrs = (mid_o_ptr + b * stride_mo_b + h[:, None, None] * stride_mo_h
+              + s[None, :, None] * stride_mo_s + d[None, None, :])            # [BLOCK_H, BLOCK_S, BLOCK_D]
+    o = tl.load(o_ptrs, mask=hs_mask[:, :, None] & d_mask[None, :, :], other=0.0)
     out = tl.sum(w[:, :, None] * o, 1) / tl.maximum(tl.sum(w, 1), 1e-30)[:, None]
     tl.store(out_ptr + b * stride_ob + h[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=(h < num_heads)[:, None] & (d < HEAD_DIM)[None, :])
+             mask=h_mask & d_mask)
 
 # %% ../nbs/06_kernels.ipynb #896cff1a
 DECODE_BLOCK_N = 64 if INTERPRET else 32   # positions per K/V tile in decode attention (64 spills registers on a GPU)
 
 def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int | None = None) -> int:
     "Splits per request for `decode_attention`: fill the SMs ~4x over, no split under 4 tiles, at most 32; 2 off-GPU."
-    if num_sms is None: num_sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() and not INTERPRET else 0
+    if num_sms is None:
+        on_gpu = torch.cuda.is_available() and not INTERPRET
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count if on_gpu else 0
     if not num_sms: return 2
     want = triton.cdiv(4 * num_sms, max(batch * num_kv_heads, 1))
     return max(1, min(want, triton.cdiv(max_seq_len, 4 * DECODE_BLOCK_N), 32))
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                     table_idx: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int | None = None) -> torch.Tensor:
+                     table_idx: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     num_splits: int | None = None) -> torch.Tensor:
     "Triton `decode_attention_ref`: split-K flash decoding over the paged cache, GQA heads grouped; `[B, H, D]`."
     (B, H, D), KVH = q.shape, k_cache.shape[1]
-    assert H % KVH == 0 and k_cache.shape[2] == D and q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == page_table.stride(-1) == 1
+    assert H % KVH == 0 and k_cache.shape[2] == D
+    assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == page_table.stride(-1) == 1
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     if B == 0: return out
     if num_splits is None: num_splits = decode_num_splits(B, KVH, int(seq_lens.max()))
@@ -244,26 +301,35 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mid_lse = out if single else torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
     block_d = max(16, triton.next_power_of_2(D))
     _decode_split_kernel[(B, KVH, num_splits)](
-        q, k_cache, v_cache, page_table, table_idx, seq_lens, mid_o, mid_lse, scale * _LOG2E, num_splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
+        q, k_cache, v_cache, page_table, table_idx, seq_lens,
+        mid_o, mid_lse,
+        scale * _LOG2E, num_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        page_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=H // KVH, HEAD_DIM=D, BLOCK_H=max(16, triton.next_power_of_2(H // KVH)), BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d,
+        GROUP=H // KVH, HEAD_DIM=D,
+        BLOCK_H=max(16, triton.next_power_of_2(H // KVH)), BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d,
         DOT_TYPE=_dot_type(k_cache.dtype), PRECISION='ieee', SINGLE=single, num_warps=4)
     if single: return out
     heads_per_program = triton.next_power_of_2(H) if INTERPRET else 1
     _decode_merge_kernel[(B, triton.cdiv(H, heads_per_program))](
-        mid_o, mid_lse, out, H, num_splits, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        out.stride(0), out.stride(1), HEAD_DIM=D, BLOCK_H=heads_per_program, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
+        mid_o, mid_lse, out,
+        H, num_splits,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=D, BLOCK_H=heads_per_program, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
     return out
 
 # %% ../nbs/06_kernels.ipynb #9b15b6e1
 @triton.jit
 def _extend_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, table_idx_ptr,
-                   prefix_lens_ptr, extend_lens_ptr, extend_start_ptr, qk_scale,
+                   prefix_lens_ptr, extend_lens_ptr, extend_start_ptr,
+                   qk_scale,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, stride_ot, stride_oh, stride_pt,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr):
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr):
     b, kv_head, row_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     extend_len = tl.load(extend_lens_ptr + b).to(tl.int32)
     row_start = row_block * BLOCK_M
@@ -276,109 +342,134 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_
     d_mask = (d < HEAD_DIM)[None, :]
     q_mask = (token < extend_len)[:, None] & d_mask
     q_rows = (first + token)[:, None]
-    q = tl.load(q_ptr + q_rows * stride_qt + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0).to(DOT_TYPE)
+    q_ptrs = q_ptr + q_rows * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0).to(DOT_TYPE)
     m = tl.full([BLOCK_M], float('-inf'), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, prefix_len, BLOCK_N):                         # 1. the prefix, through the page table
-        pos = start + n
-        n_mask = pos < prefix_len
-        loc = tl.load(page_table_ptr + table_row * stride_pt + pos, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask
-        k = tl.load(k_cache_ptr + loc[:, None] * stride_kc_s + kv_head * stride_kc_h + d[None, :], mask=kv_mask, other=0.0).to(DOT_TYPE)
-        v = tl.load(v_cache_ptr + loc[:, None] * stride_vc_s + kv_head * stride_vc_h + d[None, :], mask=kv_mask, other=0.0).to(DOT_TYPE)
-        m, l, acc = _attend_tile(q, k, v, n_mask[None, :], m, l, acc, qk_scale, k_cache_ptr.dtype.element_ty, PRECISION)
+    # 1. the prefix, through the page table
+    m, l, acc = _attend_paged(q, m, l, acc, k_cache_ptr, v_cache_ptr, page_table_ptr,
+                              table_row, kv_head, 0, prefix_len, qk_scale,
+                              stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, stride_pt,
+                              HEAD_DIM, BLOCK_N, BLOCK_D, DOT_TYPE, PRECISION)
+    # 2. the new tokens, causally
     last_token = tl.minimum(extend_len, (row_start + BLOCK_M - 1) // GROUP + 1)
-    for start in range(0, last_token, BLOCK_N):                         # 2. the new tokens, causally
+    for start in range(0, last_token, BLOCK_N):
         j = start + n
         kv_rows = (first + j)[:, None]
         kv_mask = (j < extend_len)[:, None] & d_mask
-        k = tl.load(k_ptr + kv_rows * stride_kt + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0).to(DOT_TYPE)
-        v = tl.load(v_ptr + kv_rows * stride_vt + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0).to(DOT_TYPE)
+        k = tl.load(k_ptr + kv_rows * stride_kt + kv_head * stride_kh + d[None, :],
+                    mask=kv_mask, other=0.0).to(DOT_TYPE)
+        v = tl.load(v_ptr + kv_rows * stride_vt + kv_head * stride_vh + d[None, :],
+                    mask=kv_mask, other=0.0).to(DOT_TYPE)
         causal = (j[None, :] <= token[:, None]) & (j < extend_len)[None, :]
         m, l, acc = _attend_tile(q, k, v, causal, m, l, acc, qk_scale, k_cache_ptr.dtype.element_ty, PRECISION)
     out = acc / tl.maximum(l, 1e-30)[:, None]
-    tl.store(out_ptr + q_rows * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    out_ptrs = out_ptr + q_rows * stride_ot + head[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      page_table: torch.Tensor, table_idx: torch.Tensor, prefix_lens: torch.Tensor,
                      extend_lens: torch.Tensor, scale: float, max_extend_len: int | None = None) -> torch.Tensor:
-    "Triton `extend_attention_ref`: flash attention of the new tokens over their paged prefix and themselves; `[T, H, D]`."
+    "Triton `extend_attention_ref`: flash attention of new tokens over their paged prefix and themselves; `[T, H, D]`."
     (T, H, D), KVH = q.shape, k.shape[1]
-    assert H % KVH == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == page_table.stride(-1) == 1
+    assert H % KVH == 0
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+    assert k_cache.stride(-1) == v_cache.stride(-1) == page_table.stride(-1) == 1
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     if T == 0: return out
     group = H // KVH
     extend_start = torch.cumsum(extend_lens, 0) - extend_lens
-    block_m = 64 if INTERPRET or D <= 64 else 32              # 64 rows of 128-wide heads spill registers (check_kernels)
+    block_m = 64 if INTERPRET or D <= 64 else 32   # 64 rows of 128-wide heads spill registers (check_kernels)
     block_n, num_warps = (64, 4) if INTERPRET else (32, 8)
-    if max_extend_len is None: max_extend_len = int(extend_lens.max())   # waits for the GPU: callers that know it pass it
+    if max_extend_len is None:
+        max_extend_len = int(extend_lens.max())   # waits for the GPU: callers that know it pass it
     grid = (extend_lens.shape[0], KVH, triton.cdiv(max_extend_len * group, block_m))
     _extend_kernel[grid](
-        q, k, v, k_cache, v_cache, out, page_table, table_idx, prefix_lens, extend_lens, extend_start, scale * _LOG2E,
+        q, k, v, k_cache, v_cache, out, page_table, table_idx,
+        prefix_lens, extend_lens, extend_start,
+        scale * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1), page_table.stride(0),
-        GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        page_table.stride(0),
+        GROUP=group, HEAD_DIM=D,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
         DOT_TYPE=_dot_type(k_cache.dtype), PRECISION='ieee', num_warps=num_warps)
     return out
 
 # %% ../nbs/06_kernels.ipynb #5fb471e5
-def bench_decode_attention(batch: int = 64, context: int = 4096, num_heads: int = 16, num_kv_heads: int = 8, head_dim: int = 128,
-                           page_size: int = 16, dtype: torch.dtype = torch.bfloat16, num_splits: int | None = None,
+def bench_decode_attention(batch: int = 64, context: int = 4096,
+                           num_heads: int = 16, num_kv_heads: int = 8, head_dim: int = 128, page_size: int = 16,
+                           dtype: torch.dtype = torch.bfloat16, num_splits: int | None = None,
                            peak_gb_per_s: float = 4300.0, check: bool = True) -> dict:
     "Time `decode_attention` on a full batch on shuffled pages (CUDA only); bandwidth = bytes of K and V read / time."
     from nanoserve.testing import random_page_table     # a test utility (chapter 95)
     assert torch.cuda.is_available() and not INTERPRET, 'bench_decode_attention needs a GPU'
     device, g = 'cuda', torch.Generator(device='cuda').manual_seed(0)
     num_pages = batch * triton.cdiv(context, page_size)
-    k_cache, v_cache = (torch.randn((num_pages + 1) * page_size, num_kv_heads, head_dim, generator=g, device=device, dtype=dtype) for _ in range(2))
+    cache_shape = ((num_pages + 1) * page_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(cache_shape, generator=g, device=device, dtype=dtype) for _ in range(2))
     page_table, table_idx = random_page_table([context] * batch, page_size, num_pages, context, device=device)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, num_heads, head_dim, generator=g, device=device, dtype=dtype)
     if num_splits is None: num_splits = decode_num_splits(batch, num_kv_heads, context)
     args = (q, k_cache, v_cache, page_table, table_idx, seq_lens, head_dim ** -0.5, num_splits)
     max_abs_err = None
-    if check: max_abs_err = (decode_attention(*args).float() - decode_attention_ref(*args).float()).abs().max().item()
+    if check:
+        error = decode_attention(*args).float() - decode_attention_ref(*args).float()
+        max_abs_err = error.abs().max().item()
     ms = triton.testing.do_bench(lambda: decode_attention(*args))
     gb_per_s = 2 * batch * context * num_kv_heads * head_dim * k_cache.element_size() / (ms * 1e-3) / 1e9
     return dict(batch=batch, context=context, num_splits=num_splits, ms=ms, gb_per_s=gb_per_s,
                 fraction_of_peak=gb_per_s / peak_gb_per_s, max_abs_err=max_abs_err)
 
 # %% ../nbs/06_kernels.ipynb #6e1f0a03
-GPU_ARCHS = {   # compute capability, max shared memory of a block (KB), shared memory of an SM (KB), warp slots of an SM
-    'sm_80': (80, 163, 164, 64), 'sm_89': (89, 99, 100, 48), 'sm_90': (90, 227, 228, 64), 'sm_100': (100, 227, 228, 64)}
-MODEL_SHAPES = {   # hidden, intermediate, query heads, KV heads, head dim: the served families, and odd groups and heads
-    'SmolLM2-135M': (576, 1536, 9, 3, 64), 'Qwen2-0.5B': (896, 4864, 14, 2, 64), 'Llama-3.2-1B': (2048, 8192, 32, 8, 64),
-    'Qwen3-0.6B': (1024, 3072, 16, 8, 128), 'Llama-3.1-8B': (4096, 14336, 32, 8, 128), 'Qwen2.5-7B': (3584, 18944, 28, 4, 128),
-    'head 96, group 5': (2400, 6400, 25, 5, 96), 'group 1': (1024, 2816, 8, 8, 128), 'group 6': (1536, 4096, 12, 2, 128)}
+# compute capability, max shared memory of a block (KB), shared memory of an SM (KB), warp slots of an SM
+GPU_ARCHS = {'sm_80': (80, 163, 164, 64), 'sm_89': (89, 99, 100, 48),
+             'sm_90': (90, 227, 228, 64), 'sm_100': (100, 227, 228, 64)}
+# hidden, intermediate, query heads, KV heads, head dim: the served families, and odd groups and heads
+MODEL_SHAPES = {
+    'SmolLM2-135M': (576, 1536, 9, 3, 64), 'Qwen2-0.5B': (896, 4864, 14, 2, 64),
+    'Llama-3.2-1B': (2048, 8192, 32, 8, 64), 'Qwen3-0.6B': (1024, 3072, 16, 8, 128),
+    'Llama-3.1-8B': (4096, 14336, 32, 8, 128), 'Qwen2.5-7B': (3584, 18944, 28, 4, 128),
+    'head 96, group 5': (2400, 6400, 25, 5, 96), 'group 1': (1024, 2816, 8, 8, 128),
+    'group 6': (1536, 4096, 12, 2, 128)}
 
 def kernel_launches(shapes: dict = MODEL_SHAPES, dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> list[tuple]:
-    "`(configuration, wrapper, args)` for every kernel launch the engine makes at these shapes and dtypes (fp32: the first shape)."
+    "`(configuration, wrapper, args)` per kernel launch of the engine at these shapes and dtypes (fp32: first only)."
     calls = []
     for name, (hidden, inter, H, KVH, D) in shapes.items():
         for dtype in dtypes if name == next(iter(shapes)) else dtypes[:2]:
             def meta(*shape, dtype=dtype): return torch.empty(*shape, dtype=dtype, device='meta')
             x, w, gate_up = meta(256, hidden), meta(hidden), meta(256, 2 * inter)
             q, k, pool = meta(256, H, D), meta(256, KVH, D), meta(4096, KVH, D)
-            table, rows, positions = meta(257, 8192, dtype=torch.int32), meta(256, dtype=torch.int32), meta(256, dtype=torch.int64)
+            table, rows = meta(257, 8192, dtype=torch.int32), meta(256, dtype=torch.int32)
+            positions, cos_sin = meta(256, dtype=torch.int64), meta(8192, D, dtype=torch.float32)
             label = f'{name}, {str(dtype)[6:]}'
-            calls += [(label, rms_norm, (x, w, 1e-6)), (label + ', residual', rms_norm, (x, w, 1e-6, x)),
-                      (label, rope, (q, k, positions, meta(8192, D, dtype=torch.float32))), (label, silu_and_mul, (gate_up,)),
+            calls += [(label, rms_norm, (x, w, 1e-6)),
+                      (label + ', residual', rms_norm, (x, w, 1e-6, x)),
+                      (label, rope, (q, k, positions, cos_sin)),
+                      (label, silu_and_mul, (gate_up,)),
                       (label, store_kv, (k, k, pool, pool, positions)),
                       (label, extend_attention, (q, k, k, pool, pool, table, rows, rows, rows, 0.1, 2048))]
-            calls += [(f'{label}, {n} splits', decode_attention, (q, pool, pool, table, rows, rows, 0.1, n)) for n in (1, 2, 8, 32)]
+            calls += [(f'{label}, {n} splits', decode_attention, (q, pool, pool, table, rows, rows, 0.1, n))
+                      for n in (1, 2, 8, 32)]
     return calls
 
 def capture_launches(calls: list[tuple]) -> dict[tuple, str]:
     "Run each wrapper without launching its kernels: `{(kernel, signature, constexprs, options): configuration}`."
     from triton.runtime.jit import JITFunction
     assert not INTERPRET, 'compiling for a GPU needs the kernels compiled, not interpreted: unset TRITON_INTERPRET'
-    types = {torch.bfloat16: 'bf16', torch.float16: 'fp16', torch.float32: 'fp32', torch.int32: 'i32', torch.int64: 'i64'}
+    types = {torch.bfloat16: 'bf16', torch.float16: 'fp16', torch.float32: 'fp32',
+             torch.int32: 'i32', torch.int64: 'i64'}
     found, run, current = {}, JITFunction.run, {}
     def capture(fn, *args, grid, warmup, **kwargs):
         signature, constexprs = {}, {}
-        for param, arg in zip(fn.params, args + tuple(kwargs.get(p.name) for p in fn.params[len(args):])):
-            if param.is_constexpr: signature[param.name], constexprs[param.name] = 'constexpr', kwargs[param.name]
+        all_args = args + tuple(kwargs.get(p.name) for p in fn.params[len(args):])
+        for param, arg in zip(fn.params, all_args):
+            if param.is_constexpr:
+                signature[param.name] = 'constexpr'
+                constexprs[param.name] = kwargs[param.name]
             elif isinstance(arg, torch.Tensor): signature[param.name] = '*' + types[arg.dtype]
             else: signature[param.name] = 'fp32' if isinstance(arg, float) else 'i32'
         options = tuple(sorted((k, v) for k, v in kwargs.items() if k in ('num_warps', 'num_stages')))
@@ -406,14 +497,15 @@ def compile_kernel(arch: str, kernel: str, signature: dict, constexprs: dict, op
     with tempfile.NamedTemporaryFile('w', suffix='.ptx') as ptx:
         ptx.write(compiled.asm['ptx'])
         ptx.flush()
-        report = subprocess.run([get_ptxas(capability).path, '-v', f'--gpu-name=sm_{capability}{suffix}', ptx.name, '-o', '/dev/null'],
-                                capture_output=True, text=True, check=True).stderr
+        ptxas = [get_ptxas(capability).path, '-v', f'--gpu-name=sm_{capability}{suffix}', ptx.name, '-o', '/dev/null']
+        report = subprocess.run(ptxas, capture_output=True, text=True, check=True).stderr
     registers = int(re.search(r'Used (\d+) registers', report).group(1))
     spills = sum(int(n) for n in re.findall(r'(\d+) bytes spill (?:stores|loads)', report))
-    return dict(registers=registers, spills=spills, shared=compiled.metadata.shared, num_warps=compiled.metadata.num_warps)
+    metadata = compiled.metadata
+    return dict(registers=registers, spills=spills, shared=metadata.shared, num_warps=metadata.num_warps)
 
 def occupancy(arch: str, registers: int, shared: int, num_warps: int) -> float:
-    "The share of an SM's warp slots that blocks of a kernel fill, given its registers, shared memory and warps per block."
+    "The share of an SM's warp slots a kernel's blocks fill, given its registers, shared memory and warps per block."
     _, _, sm_shared_kb, warp_slots = GPU_ARCHS[arch]
     by_registers = 65536 // (max(registers, 1) * 32 * num_warps)   # an SM has 64K 32-bit registers
     by_shared = sm_shared_kb * 1024 // shared if shared else 32
@@ -427,15 +519,17 @@ def _compile_row(arch: str, key: tuple, constexprs: dict, config: str) -> dict:
     except Exception as e: return {**row, 'problem': f'does not compile: {type(e).__name__}: {str(e)[:200]}'}
     row['occupancy'] = occupancy(arch, row['registers'], row['shared'], row['num_warps'])
     limit_kb = GPU_ARCHS[arch][1]
-    problems = ([f"{row['spills']} bytes spilled"] if row['spills'] else []) + \
-               ([f"{row['shared']} bytes of shared memory > {limit_kb} KB"] if row['shared'] > limit_kb * 1024 else [])
+    problems = []
+    if row['spills']: problems.append(f"{row['spills']} bytes spilled")
+    if row['shared'] > limit_kb * 1024: problems.append(f"{row['shared']} bytes of shared memory > {limit_kb} KB")
     return {**row, 'problem': '; '.join(problems) or None}
 
 def check_kernels(arch: str = 'sm_90', workers: int = 2, calls: list[tuple] | None = None) -> list[dict]:
-    "Compile every distinct launch of `kernel_launches` for `arch`: a row each (registers, spills, shared, occupancy, problem)."
+    "Compile each distinct launch of `kernel_launches` for `arch`: registers, spills, shared, occupancy, problem."
     from concurrent.futures import ProcessPoolExecutor
     if arch not in GPU_ARCHS: raise ValueError(f"arch must be one of {', '.join(GPU_ARCHS)}, got {arch!r}")
     launches = capture_launches(kernel_launches() if calls is None else calls)
     with ProcessPoolExecutor(workers) as pool:
-        futures = [pool.submit(_compile_row, arch, key, constexprs, config) for key, (constexprs, config) in launches.items()]
+        futures = [pool.submit(_compile_row, arch, key, constexprs, config)
+                   for key, (constexprs, config) in launches.items()]
         return [f.result() for f in futures]
