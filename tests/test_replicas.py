@@ -18,7 +18,9 @@ from nanoserve.llm import LLM
 from nanoserve.req import SamplingParams
 from nanoserve.testing import ServerProcess, process_gone, save_tiny_model, wait_until
 
-ENGINE = dict(device='cpu', page_size=4, num_pages=256)     # per replica; max_model_len is the model's 512
+# Per replica; max_model_len is the model's 512. 2048 KV slots: the four documents (about 310 tokens each) fit one
+# replica's cache together, since where each lands depends on the replicas' random ids (rendezvous hashing).
+ENGINE = dict(device='cpu', page_size=4, num_pages=512)
 KEY = 'sk-replicas'
 PROMPTS = ['The capital of France is', 'Colours:', 'def main():', 'Numbers: 0 1 2', 'Once upon a time', 'SELECT *',
            'Dear Sir,', 'import torch']
