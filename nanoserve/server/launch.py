@@ -71,6 +71,7 @@ class Workers:
                 except EOFError:            # the pipe closed without a word: the process has ended, or is ending
                     process.join(5)
                     kind, payload = None, None
+                    if process.is_alive(): kind, payload = 'error', 'it closed its pipe without reporting ready'
                 if kind is None and not process.is_alive(): kind, payload = 'error', exit_words(process.exitcode)
                 if kind == 'error': raise WorkerStartError(f'the {name} process failed to start: {payload}')
                 if kind == 'ready':
