@@ -70,9 +70,9 @@ IGNORED_FIELDS = {   # OpenAI's request fields with no meaning for a local serve
 }
 REFUSED_FIELDS = {   # OpenAI's request fields this server does not implement: a 400 naming the field when it is set
     'suffix': 'text after the completion (fill-in-the-middle)',
-    'best_of': 'other than n: the best of several completions, by their logprobs',
-    'functions': "chat's tools before tools; send tools",
-    'function_call': "chat's tool_choice before tool_choice; send tool_choice",
+    'best_of': 'the n best of best_of completions by their logprobs (refused when it is not n)',
+    'functions': 'the older form of tools: send tools',
+    'function_call': 'the older form of tool_choice: send tool_choice',
 }
 
 class _SamplingRequest(BaseModel):
