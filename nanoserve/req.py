@@ -9,8 +9,8 @@ from enum import Enum
 from typing import Any, Literal, Sequence
 
 # %% auto #0
-__all__ = ['MAX_LOGPROBS', 'MAX_LOGIT_BIAS', 'MAX_QUOTED', 'quoted', 'SamplingParams', 'StructuredOutputsParams', 'FinishReason',
-           'Req', 'Batch']
+__all__ = ['MAX_LOGPROBS', 'MAX_LOGIT_BIAS', 'MAX_QUOTED', 'shortened', 'quoted', 'SamplingParams', 'StructuredOutputsParams',
+           'FinishReason', 'Req', 'Batch']
 
 # %% ../nbs/01_req.ipynb #c806af3b
 MAX_LOGPROBS = 20  # the most top-logprobs a request may ask for (vLLM's default bound)
@@ -18,10 +18,13 @@ MAX_LOGIT_BIAS = 100.0   # a logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS
 MAX_QUOTED = 100   # the most characters of a client's input an error message quotes
 _GREEDY_EPS = 1e-5
 
-def quoted(value) -> str:
-    "`repr(value)` for an error message, cut to `MAX_QUOTED` characters: a client's input is quoted, never echoed whole."
-    text = repr(value)
+def shortened(text: str) -> str:
+    "`text` cut to `MAX_QUOTED` characters, for an error message that may hold a client's input (a library's)."
     return text if len(text) <= MAX_QUOTED else f'{text[:MAX_QUOTED]}... ({len(text)} characters)'
+
+def quoted(value) -> str:
+    "`repr(value)` for an error message, shortened: a client's input is quoted, never echoed whole."
+    return shortened(repr(value))
 
 def _ids(x, name: str) -> tuple[int, ...]:
     if x is None: return ()
@@ -174,7 +177,8 @@ class StructuredOutputsParams:
                 raise ValueError(f'structured_outputs: {name} must be a string, got {quoted(getattr(self, name))}')
         if self.choice is not None:
             if isinstance(self.choice, str) or not self.choice or not all(isinstance(c, str) for c in self.choice):
-                raise ValueError(f'structured_outputs: choice must be a non-empty list of strings, got {quoted(self.choice)}')
+                raise ValueError('structured_outputs: choice must be a non-empty list of strings, '
+                                 f'got {quoted(self.choice)}')
             self.choice = list(self.choice)
 
     @property

@@ -26,7 +26,8 @@ def post(server, endpoint: str, body: dict, headers=None) -> httpx.Response:
     return httpx.post(f'{server.url}/v1/{endpoint}', json=body, headers=headers, timeout=120)
 
 def completion(**kw) -> dict: return {'model': 'tiny', 'prompt': 'Hello', 'max_tokens': 2, **kw}
-def chat(**kw) -> dict: return {'model': 'tiny', 'messages': [{'role': 'user', 'content': 'Hello'}], 'max_tokens': 2, **kw}
+def chat(**kw) -> dict:
+    return {'model': 'tiny', 'messages': [{'role': 'user', 'content': 'Hello'}], 'max_tokens': 2, **kw}
 
 def refused_param(r: httpx.Response) -> str | None:
     assert r.status_code == 400, (r.status_code, r.text[:300])
@@ -65,6 +66,8 @@ def test_error_messages_quote_client_input_briefly(server):
                  chat(tool_choice={'type': 'function', 'function': {'name': 'f' * 100_000}}),
                  chat(tool_choice='t' * 100_000), chat(response_format={'type': 'r' * 100_000}),
                  completion(structured_outputs={'choice': 'c' * 100_000}),
+                 completion(structured_outputs={'grammar': 'root ::= ' + 'x' * 50_000}),
+                 completion(structured_outputs={'json': '{' + 'a' * 50_000}),
                  chat(tools=[{'type': 'function', 'function': {'name': ''}, 'pad': 'p' * 100_000}])]:
         endpoint = 'chat/completions' if 'messages' in body else 'completions'
         assert refused_param(post(server, endpoint, body)) is not None

@@ -292,7 +292,8 @@ class ToolCalling:
             function = self.choice.get('function') if self.choice.get('type') == 'function' else None
             self.named = function.get('name') if isinstance(function, dict) else None
             if self.named not in self.schemas:
-                raise ApiError(400, f'tool_choice: names no function of tools, got {quoted(tool_choice)}', 'tool_choice')
+                message = f'tool_choice: names no function of tools, got {quoted(tool_choice)}'
+                raise ApiError(400, message, 'tool_choice')
         elif self.choice not in ('none', 'auto', 'required'):
             raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or a named function, "
                                 f'got {quoted(tool_choice)}', 'tool_choice')
