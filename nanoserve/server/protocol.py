@@ -152,11 +152,11 @@ MAX_ALLOWED_TOKEN_IDS = 2**18         # allowed_token_ids per request: the large
 MAX_GRAMMAR_CHARS = 100_000           # characters of a schema (as JSON), regex, grammar or the choices together
 
 def _refuse_unsupported(body: _SamplingRequest):
-    "400 for OpenAI's fields whose meaning nanoserve does not implement, and for fields no API defines."
+    "400 for OpenAI's fields whose meaning nanoserve does not implement, and for fields it does not know."
     extra = body.model_extra or {}
     unknown = [name for name in extra if name not in IGNORED_FIELDS and name not in REFUSED_FIELDS]
     if unknown:
-        message = f"{quoted(unknown[0])} is not supported by this server: neither OpenAI's API nor vLLM's has it"
+        message = f"{quoted(unknown[0])} is not supported by this server: OpenAI's API has no such field"
         raise ApiError(400, message, unknown[0][:MAX_QUOTED])
     refused = [(name, value is not None) for name, value in extra.items() if name in REFUSED_FIELDS]
     if isinstance(body, CompletionRequest):
