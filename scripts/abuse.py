@@ -9,13 +9,13 @@ and the resident memory of the server's three processes around it. The figures o
 Cases: body20 / body100 (a completion whose prompt makes a 20 / 100 MB body, sent with a Content-Length),
 ctx10x (a prompt of 10x the context in characters), slow-body (20 clients sending a body a byte every 0.2 s beside
 normal requests), idle (1000 connections that send nothing, beside normal requests), fd-limit (1100 idle connections
-against a server started with a soft limit of 1024 open files), storm (200 streams read to their first byte, then
+against a server started with a soft limit of 1024 open files), storm (200 streams left unread for 2 s, then
 reset, three times: the RSS of all the server's processes before and after each). With `--data-parallel-size N`
 the server is `nanoserve serve --data-parallel-size N` (chapter 17) and the RSS is that of its whole process tree
 (Ray's processes, the replicas and their workers). A server whose processes grow past `--rss-cap-gb`
 together is killed (the case then reads 'killed'): the machine is shared.
 """
-import argparse, json, os, resource, selectors, socket, struct, sys, tempfile, threading, time
+import argparse, json, os, resource, select, selectors, socket, struct, sys, tempfile, threading, time
 import httpx
 from nanoserve.testing import save_tiny_model
 from nanoserve.testing import ServerProcess, wait_until
@@ -119,8 +119,8 @@ def closed_by_server(socks: list, wait: float) -> tuple[int, float]:
     sel.close()
     return closed, last
 
-def stream_storm(url: str, headers: dict, count: int = 200, max_tokens: int = 200):
-    "`count` streams opened at once, read to their first byte, left unread a second, then reset (RST)."
+def stream_storm(url: str, headers: dict, count: int = 200, max_tokens: int = 400):
+    "`count` streams opened at once and left unread for 2 s, then reset (RST); how many had begun to answer."
     host, port = url.removeprefix('http://').split(':')
     body = json.dumps({'model': 'tiny', 'prompt': 'Once upon a time', 'max_tokens': max_tokens, 'stream': True,
                        'ignore_eos': True}).encode()
@@ -132,12 +132,12 @@ def stream_storm(url: str, headers: dict, count: int = 200, max_tokens: int = 20
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.sendall(head + body)
         socks.append(sock)
-    first = sum(1 for sock in socks if sock.recv(1))
-    time.sleep(1.0)
+    time.sleep(2.0)                     # the streams start; nothing is read: their tokens pile up in the server
+    answered = sum(1 for sock in socks if select.select([sock], [], [], 0)[0])
     for sock in socks:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack('ii', 1, 0))
         sock.close()
-    return first
+    return answered
 
 def storm_rounds(s: ServerProcess, watch: Watch, headers: dict, rounds: int = 3) -> dict:
     "`rounds` storms; the server's total RSS before and after each (once its requests have ended and 3 s passed)."
@@ -148,7 +148,7 @@ def storm_rounds(s: ServerProcess, watch: Watch, headers: dict, rounds: int = 3)
         deadline = time.monotonic() + 300
         while s.state()['open_requests'] and time.monotonic() < deadline: time.sleep(0.2)
         time.sleep(3)
-        figures.append({'streams started': started, 'before MB': round(before),
+        figures.append({'streams answering': started, 'before MB': round(before),
                         'after MB': round(sum(watch.now().values()))})
     return {'rounds': figures}
 
