@@ -212,8 +212,6 @@ def _serve(args: argparse.Namespace) -> int:
     engine_kwargs, _ = _checked(args, sampling=False)
     server_options = {k: getattr(args, k) for k in _SERVE_OPTIONS if getattr(args, k) is not None}
     replicas = {k: getattr(args, k) for k in _REPLICA_OPTIONS if getattr(args, k) is not None}
-    if replicas and 'limit_concurrency' in server_options:
-        args.parser.error('--limit-concurrency applies to one server; with replicas, Ray Serve queues the requests')
     try:
         if replicas: from nanoserve.replicas import serve_replicas as serve
         else: from nanoserve.server import run_server as serve

@@ -15,14 +15,14 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 from .server.messages import AbortReq, ErrorOut, GenerateReq, log
 from .server.protocol import ApiError
-from .server.frontend import MAX_REQUEST_BYTES, Frontend, Generation, ServerMetrics, build_app
-from .server.launch import Workers, api_keys
+from .server.frontend import MAX_REQUEST_BYTES, Frontend, Generation, ServerMetrics
+from .server.launch import Workers, api_keys, http_server
 from .bench import Workload
 
 # %% auto #0
 __all__ = ['APP_NAME', 'ROUTINGS', 'prompt_blocks', 'PrefixIndex', 'PrefixAwareRouter', 'placement_gpu_ids', 'EngineReplica',
-           'ReplicaCollector', 'ReplicaSet', 'ReplicaFrontend', 'OpenAIIngress', 'replica_resources', 'replica_scaling',
-           'replica_app', 'serve_replicas', 'measure_endpoint']
+           'ReplicaCollector', 'ReplicaSet', 'ReplicaFrontend', 'replica_resources', 'replica_scaling', 'replica_app',
+           'serve_replicas', 'measure_endpoint']
 
 # %% ../nbs/17_replicas.ipynb #e17a0007
 def prompt_blocks(req: GenerateReq, block_chars: int = 64, block_tokens: int = 16, max_blocks: int = 64) -> list[int]:
@@ -217,6 +217,10 @@ class ReplicaSet:
         if all(reasons): return f'no engine replica can serve: {reasons[0]}'
         return None
 
+    def dead(self) -> None:
+        "No worker of the endpoint's own can die: a replica that does is Ray Serve's to replace, not a reason to stop."
+        return None
+
     def pids(self) -> dict[str, dict[str, int]]:
         "Each replica's processes: the replica's own, its scheduler's and its tokenizer's."
         return {i: report.get('pids', {}) for i, report in self.reports().items()}
@@ -225,8 +229,8 @@ class ReplicaFrontend(Frontend):
     "Chapter 14e's `Frontend` over engine replicas: each prompt is a streaming call that Ray Serve routes to one."
     def __init__(self, model_name: str, engine, stream_backlog: int = 1024):
         from prometheus_client.parser import text_string_to_metric_families
-        super().__init__(model_name, {}, stream_backlog=stream_backlog)
-        self.engine, self.workers = engine, ReplicaSet(engine)
+        super().__init__(model_name, {}, watchdog_timeout=0, stream_backlog=stream_backlog)   # each replica watches its own
+        self.engine, self.workers, self.log_interval = engine, ReplicaSet(engine), 0           # each replica logs its own
         self.metrics = ServerMetrics(model_name, None)   # requests as the endpoint sees them; engines per replica
         skip = {family.name for family in text_string_to_metric_families(self.metrics.render().decode())}
         self.metrics.registry.register(ReplicaCollector(self.workers.reports, skip))
@@ -234,12 +238,12 @@ class ReplicaFrontend(Frontend):
 
     @asynccontextmanager
     async def lifespan(self, app):
-        "Learn the model's context length from a replica (which makes the router), follow the replicas' counters."
+        "Learn the model's context length from a replica (which makes the router), follow the replicas, watch a drain."
         self.info = await self.engine.info.remote()
-        follow = asyncio.create_task(self._follow())
+        self._tasks = [asyncio.create_task(self._follow()), asyncio.create_task(self._watch())]
         try: yield
         finally:
-            for task in [follow, *self._relays.values()]: task.cancel()
+            for task in [*self._tasks, *self._relays.values()]: task.cancel()
 
     async def _follow(self):
         while True:
@@ -280,16 +284,6 @@ class ReplicaFrontend(Frontend):
             gen.feed(ErrorOut(req.rid, message, 503))
         finally: self._relays.pop(req.rid, None)
 
-@serve.ingress()
-class OpenAIIngress:
-    "The endpoint (a Ray Serve deployment): chapter 14e's app, behind its guard, over a `ReplicaFrontend`."
-    def __init__(self, engine, model_name: str, api_key: Sequence[str] = (), max_request_bytes: int = MAX_REQUEST_BYTES,
-                 body_timeout: float = 30.0, stream_backlog: int = 1024):
-        self.frontend = ReplicaFrontend(model_name, engine, stream_backlog)
-        self.guard = dict(api_keys=api_key, max_request_bytes=max_request_bytes, body_timeout=body_timeout)
-
-    def __serve_build_asgi_app__(self): return build_app(self.frontend, **self.guard)
-
 # %% ../nbs/17_replicas.ipynb #e17a0023
 APP_NAME = 'nanoserve'
 ROUTINGS = ('prefix', 'ray')    # chapter 17's `PrefixAwareRouter`; Ray Serve's default (power of two choices)
@@ -314,8 +308,8 @@ def replica_scaling(num_replicas: int = 1, min_replicas: int | None = None, max_
 
 def replica_app(path: str, model_name: str, engine_kwargs: dict, routing: str = 'prefix', gpus: bool = False,
                 scaling: dict | None = None, chat_template: str | None = None, watchdog_timeout: float = 60.0,
-                integrity_check: str | None = None, drain_timeout: float = 20.0, **ingress_kwargs):
-    "The Ray Serve application: engine replicas behind the OpenAI ingress (`ingress_kwargs`: the guard, the backlog)."
+                integrity_check: str | None = None, drain_timeout: float = 20.0):
+    "The Ray Serve application: the engine replicas, whose handle the endpoint calls."
     if routing not in ROUTINGS: raise ValueError(f'routing must be one of {ROUTINGS}, got {routing!r}')
     router = dict(request_router_class=PrefixAwareRouter) if routing == 'prefix' else {}
     quiet = dict(log_level='WARNING', enable_access_log=False)
@@ -323,10 +317,7 @@ def replica_app(path: str, model_name: str, engine_kwargs: dict, routing: str = 
         name='engine', max_ongoing_requests=1024, health_check_period_s=2.0, graceful_shutdown_timeout_s=drain_timeout,
         request_router_config=RequestRouterConfig(request_routing_stats_period_s=1.0, **router), logging_config=quiet,
         **(scaling or {}), **replica_resources(engine_kwargs.get('tensor_parallel_size', 1), gpus))
-    ingress = serve.deployment(OpenAIIngress).options(name='ingress', max_ongoing_requests=4096, logging_config=quiet,
-                                                      ray_actor_options={'num_cpus': 0})
-    replicas = engine.bind(path, engine_kwargs, model_name, chat_template, watchdog_timeout, integrity_check)
-    return ingress.bind(replicas, model_name, **ingress_kwargs)
+    return engine.bind(path, engine_kwargs, model_name, chat_template, watchdog_timeout, integrity_check)
 
 # %% ../nbs/17_replicas.ipynb #e17a0026
 def _raise_interrupt(signum, frame): raise KeyboardInterrupt
@@ -342,7 +333,8 @@ def serve_replicas(model: str, host: str = '127.0.0.1', port: int = 8000, served
                    body_timeout: float = 30.0, stream_backlog: int = 1024, chat_template: str | None = None,
                    watchdog_timeout: float = 60.0, integrity_check: str | None = None, drain_timeout: float = 20.0,
                    ssl_keyfile: str | None = None, ssl_certfile: str | None = None, root_path: str = '',
-                   timeout_keep_alive: float = 5.0, **engine_kwargs):
+                   timeout_keep_alive: float = 5.0, limit_concurrency: int | None = None, log_level: str = 'warning',
+                   **engine_kwargs):
     "Serve `model` with OpenAI's API at http://host:port from engine replicas on Ray Serve, until Ctrl-C or SIGTERM."
     path, name = os.path.expanduser(model), served_model_name or model
     scaling = replica_scaling(data_parallel_size, min_replicas, max_replicas, target_ongoing_requests)
@@ -351,20 +343,18 @@ def serve_replicas(model: str, host: str = '127.0.0.1', port: int = 8000, served
         most_ranks = max(data_parallel_size, max_replicas or 0) * engine_kwargs.get('tensor_parallel_size', 1)
         local_cluster = dict(num_cpus=max(os.cpu_count() or 1, most_ranks), include_dashboard=False)
     ray.init(address=ray_address, logging_level='WARNING', **local_cluster)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _raise_interrupt)   # uvicorn re-raises both once it has stopped
     try:
         gpus = engine_kwargs.get('device', 'auto') != 'cpu' and ray.cluster_resources().get('GPU', 0) > 0
-        serve.start(http_options=dict(host=host, port=port, location='HeadOnly', root_path=root_path,
-                                      keep_alive_timeout_s=timeout_keep_alive, ssl_keyfile=ssl_keyfile,
-                                      ssl_certfile=ssl_certfile))
+        serve.start(http_options=dict(location='NoServer'))    # no Ray Serve proxy: the HTTP front door is 14f's
         app = replica_app(path, name, engine_kwargs, routing, gpus, scaling, chat_template, watchdog_timeout,
-                          integrity_check, drain_timeout, api_key=api_keys(api_key),
-                          max_request_bytes=max_request_bytes, body_timeout=body_timeout, stream_backlog=stream_backlog)
+                          integrity_check, drain_timeout)
         log(f'starting {data_parallel_size} engine replica(s) of {name} on Ray Serve ({routing} routing)')
-        serve.run(app, name=APP_NAME, route_prefix='/')
-        scheme = 'https' if ssl_certfile else 'http'
-        log(f'ready: serving {name} at {scheme}://{host}:{port}{root_path} from {data_parallel_size} replica(s)')
-        while True: time.sleep(3600)
+        engine = serve.run(app, name=APP_NAME, route_prefix=None)
+        frontend = ReplicaFrontend(name, engine, stream_backlog)
+        http_server(frontend, api_keys(api_key), host, port, log_level, drain_timeout, max_request_bytes, body_timeout,
+                    timeout_keep_alive, limit_concurrency, ssl_keyfile, ssl_certfile, root_path).run()
     except KeyboardInterrupt: pass
     finally:
         if ray_address is None: serve.shutdown()

@@ -4,19 +4,23 @@ and the resident memory of the server's three processes around it. The figures o
 
     python scripts/abuse.py [CASE ...]             # default: every case
     python scripts/abuse.py --serve '{"max_request_bytes": 8388608}' body20
+    python scripts/abuse.py --data-parallel-size 2 slow-body idle storm     # the same against Ray Serve replicas
 
 Cases: body20 / body100 (a completion whose prompt makes a 20 / 100 MB body, sent with a Content-Length),
 ctx10x (a prompt of 10x the context in characters), slow-body (20 clients sending a body a byte every 0.2 s beside
 normal requests), idle (1000 connections that send nothing, beside normal requests), fd-limit (1100 idle connections
 against a server started with a soft limit of 1024 open files), bad-words (64 bad words of 100,000 characters, beside
 normal requests), huge-name (a model name of 1 MiB), two-keys (two Authorization headers, in both orders, against a
-server with a key). A server whose processes grow past `--rss-cap-gb`
+server with a key), storm (200 streams left unread for 2 s, then
+reset, three times: the RSS of all the server's processes before and after each). With `--data-parallel-size N`
+the server is `nanoserve serve --data-parallel-size N` (chapter 17) and the RSS is that of its whole process tree
+(Ray's processes, the replicas and their workers). A server whose processes grow past `--rss-cap-gb`
 together is killed (the case then reads 'killed'): the machine is shared.
 """
-import argparse, json, os, resource, selectors, socket, sys, tempfile, threading, time
+import argparse, json, os, resource, select, selectors, socket, struct, sys, tempfile, threading, time
 import httpx
 from nanoserve.testing import save_tiny_model
-from nanoserve.testing import ServerProcess
+from nanoserve.testing import ServerProcess, wait_until
 
 ENGINE = dict(device='cpu', page_size=4, num_pages=256)
 
@@ -117,8 +121,49 @@ def closed_by_server(socks: list, wait: float) -> tuple[int, float]:
     sel.close()
     return closed, last
 
+def stream_storm(url: str, headers: dict, count: int = 200, max_tokens: int = 400):
+    "`count` streams opened at once and left unread for 2 s, then reset (RST); how many had begun to answer."
+    host, port = url.removeprefix('http://').split(':')
+    body = json.dumps({'model': 'tiny', 'prompt': 'Once upon a time', 'max_tokens': max_tokens, 'stream': True,
+                       'ignore_eos': True}).encode()
+    head = (f'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n'
+            f'Content-Length: {len(body)}\r\n' + ''.join(f'{k}: {v}\r\n' for k, v in headers.items()) + '\r\n').encode()
+    socks = []
+    for _ in range(count):
+        sock = socket.create_connection((host, int(port)), timeout=120)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(head + body)
+        socks.append(sock)
+    time.sleep(2.0)                     # the streams start; nothing is read: their tokens pile up in the server
+    answered = sum(1 for sock in socks if select.select([sock], [], [], 0)[0])
+    for sock in socks:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack('ii', 1, 0))
+        sock.close()
+    return answered
+
+def storm_rounds(s: ServerProcess, watch: Watch, headers: dict, rounds: int = 3) -> dict:
+    "`rounds` storms; the server's total RSS before and after each (once its requests have ended and 3 s passed)."
+    figures = []
+    for _ in range(rounds):
+        before = sum(watch.now().values())
+        started = stream_storm(s.url, headers)
+        deadline = time.monotonic() + 300
+        while s.state()['open_requests'] and time.monotonic() < deadline: time.sleep(0.2)
+        time.sleep(3)
+        figures.append({'streams answering': started, 'before MB': round(before),
+                        'after MB': round(sum(watch.now().values()))})
+    return {'rounds': figures}
+
+def server_pids(s: ServerProcess, replicas: bool) -> dict:
+    "The processes to watch: one server's three, or the whole process tree of a server of replicas."
+    if not replicas: return {'api': s.proc.pid, **s.state()['pids']}
+    import psutil      # Ray's dependency
+    root = psutil.Process(s.proc.pid)
+    return {f'{p.name()}-{p.pid}': p.pid for p in [root, *root.children(recursive=True)]}
+
 def run_case(name: str, s: ServerProcess, watch: Watch, headers: dict) -> dict:
     url = s.url
+    if name == 'storm': return storm_rounds(s, watch, headers)
     if name in ('body20', 'body100'):
         status, seconds = big_body(url, int(name[4:]), 120, headers)
         return {'answer': status, 'seconds': round(seconds, 2)}
@@ -207,6 +252,8 @@ def main():
                                                 *LIMIT_CASES])
     p.add_argument('--serve', default='{}', help="run_server's extra arguments, as JSON")
     p.add_argument('--rss-cap-gb', type=float, default=5.0)
+    p.add_argument('--data-parallel-size', type=int, default=None,
+                   help='serve N replicas on Ray Serve (`nanoserve serve --data-parallel-size N`) instead of one engine')
     args = p.parse_args()
     serve = json.loads(args.serve)
     model = save_tiny_model(tempfile.mkdtemp() + '/tiny', 'llama', tokenizer=True)
@@ -214,11 +261,13 @@ def main():
     for name in args.cases:
         if name == 'fd-limit': resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))   # the server inherits it
         log = open(tempfile.mkstemp(suffix='.log')[1], 'w')
-        s = ServerProcess(str(model), served_model_name='tiny', stderr=log, **ENGINE, **CASE_SERVE.get(name, {}),
-                          **serve).start()
+        replicas = dict(cli=True, data_parallel_size=args.data_parallel_size) if args.data_parallel_size else {}
+        s = ServerProcess(str(model), served_model_name='tiny', stderr=log, **replicas, **ENGINE,
+                          **CASE_SERVE.get(name, {}), **serve).start()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         headers = s.headers
-        pids = {'api': s.proc.pid, **s.state()['pids']}
+        if replicas: wait_until(lambda: len(s.state()['pids']) == args.data_parallel_size, 'the replicas reporting')
+        pids = server_pids(s, bool(replicas))
         time.sleep(1)
         with Watch(pids, args.rss_cap_gb * 1024) as watch:
             before = watch.now()
@@ -228,9 +277,8 @@ def main():
         alive = s.proc.poll() is None and not watch.killed
         try: health = httpx.get(s.url + '/health', timeout=5).status_code if alive else 'down'
         except httpx.HTTPError as e: health = type(e).__name__
-        result.update({'rss before MB': {k: round(v) for k, v in before.items()},
-                       'rss peak MB': {k: round(v) for k, v in watch.peak.items()},
-                       'rss after MB': {k: round(v) for k, v in after.items()},
+        rss = lambda mb: {'all': round(sum(mb.values()))} if replicas else {k: round(v) for k, v in mb.items()}
+        result.update({'rss before MB': rss(before), 'rss peak MB': rss(watch.peak), 'rss after MB': rss(after),
                        'health after': health, 'killed at cap': watch.killed})
         print(json.dumps({name: result}), flush=True)
         if s.proc.poll() is None: s.stop(timeout=30)

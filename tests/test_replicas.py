@@ -5,7 +5,7 @@ one server; per-replica metrics and health; an abort reaches the replica; a repl
 process) is killed under its requests fails them with a 503, not a hang, and Ray Serve replaces it while the endpoint
 keeps answering. The faults are made deterministic by freezing a scheduler (SIGSTOP) before the requests it must hold.
 Skipped where Ray is not installed (`pip install nanoserve[ray]`)."""
-import os, signal, threading, time
+import json, os, selectors, signal, socket, struct, threading, time
 from concurrent.futures import ThreadPoolExecutor
 import pytest
 
@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from nanoserve.llm import LLM
 from nanoserve.req import SamplingParams
 from nanoserve.testing import ServerProcess, process_gone, save_tiny_model, wait_until
+psutil = pytest.importorskip('psutil')     # Ray's own dependency
 
 # Per replica; max_model_len is the model's 512. 2048 KV slots: the four documents (about 310 tokens each) fit one
 # replica's cache together, since where each lands depends on the replicas' random ids (rendezvous hashing).
@@ -27,6 +28,8 @@ PROMPTS = ['The capital of France is', 'Colours:', 'def main():', 'Numbers: 0 1 
 DOCUMENTS = [f'Document {k}: ' + ' '.join(f'{word}{k * 7 + i}' for i, word in enumerate(['alpha', 'beta', 'gamma', 'delta'] * 12))
              for k in range(4)]
 QUESTIONS = ['Who wrote it?', 'When was it?', 'Why does it matter?']
+LIMIT = 256             # connections at once (--limit-concurrency): more than any test but the one of the limit opens
+DOORS = dict(timeout_keep_alive=2, limit_concurrency=LIMIT)   # the front door's knobs, the same on both servers
 
 @pytest.fixture(scope='module')
 def model_dir(tmp_path_factory):
@@ -35,7 +38,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope='module')
 def server(model_dir):
     s = ServerProcess(model_dir, cli=True, served_model_name='tiny', data_parallel_size=2, api_key=KEY,
-                      max_request_bytes=1 << 20, **ENGINE).start()
+                      max_request_bytes=1 << 20, **DOORS, **ENGINE).start()
     yield s
     replica_pids = [pid for pids in s.state()['pids'].values() for pid in pids.values()]
     assert s.stop(signal.SIGTERM, timeout=120) == 0
@@ -149,6 +152,134 @@ def test_error_envelope(server, client):
         OpenAI(base_url=server.url + '/v1', api_key='wrong', max_retries=0).models.list()
     r = httpx.post(server.url + '/v1/completions', content=b'x' * (2 << 20), headers={**headers, 'content-type': 'application/json'})
     assert r.status_code == 413 and envelope(r)
+
+# -- the front door: one server's guards ---------------------------------------------------------------------------
+@pytest.fixture(scope='module')
+def single(model_dir):
+    "One engine's server, with the same front door, for what both must do alike."
+    with ServerProcess(model_dir, served_model_name='tiny', api_key=KEY, **DOORS, **ENGINE) as s: yield s
+
+def _address(server) -> tuple[str, int]:
+    host, port = server.url.removeprefix('http://').split(':')
+    return host, int(port)
+
+def _answer(server, head: bytes) -> str:
+    "Send `head` (in a thread: the server may close before it is all sent) and return the status line, or 'closed'."
+    sock = socket.create_connection(_address(server), timeout=60)
+    def send():
+        try: sock.sendall(head)
+        except OSError: pass
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    data = b''
+    try:
+        while b'\r\n' not in data:
+            chunk = sock.recv(65536)
+            if not chunk: break
+            data += chunk
+    except ConnectionResetError: pass
+    finally:
+        sock.close()
+        sender.join(10)
+    return data.split(b'\r\n', 1)[0].decode() if data else 'closed'
+
+def _closed_by_server(socks: list, wait: float) -> int:
+    "How many of `socks` the server closed (or answered) within `wait` seconds (a bound on a hang, not a target)."
+    sel, closed, deadline = selectors.DefaultSelector(), 0, time.monotonic() + wait
+    for sock in socks: sel.register(sock, selectors.EVENT_READ)
+    while closed < len(socks) and time.monotonic() < deadline:
+        for key, _ in sel.select(timeout=0.2):
+            sel.unregister(key.fileobj)
+            closed += 1
+    sel.close()
+    return closed
+
+def test_ray_serve_routes_are_not_served(server):
+    "Only the app's routes answer, behind the key: no Ray Serve proxy route (`/-/routes`, `/-/healthz`) is reachable."
+    for path in ['/-/routes', '/-/healthz']:
+        assert httpx.get(server.url + path).status_code == 401, path
+        assert httpx.get(server.url + path, headers=server.headers).status_code == 404, path
+
+def test_oversized_headers_are_refused(server):
+    "A 1 MB header never reaches the app: uvicorn's HTTP parser refuses a head past its limit (16 KiB) and closes."
+    big = f'GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nX-Big: '.encode() + b'x' * (1 << 20)
+    answer = _answer(server, big + b'\r\n\r\n')
+    assert answer == 'closed' or answer.split()[1] in ('400', '431'), answer
+    ok = _answer(server, f'GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n'.encode())
+    assert ok.split()[1] == '200', ok
+
+def test_idle_and_half_sent_connections_are_closed(server):
+    "Connections that send nothing, or a request head a byte at a time, are closed after `timeout_keep_alive`."
+    idle = [socket.create_connection(_address(server)) for _ in range(20)]
+    slow = [socket.create_connection(_address(server)) for _ in range(20)]
+    stop = threading.Event()
+    def trickle():                 # a head that never ends: a byte from each every 0.5 s (slowloris)
+        for sock in slow: sock.sendall(b'GET /v1/models HTTP/1.1\r\nHost: x\r\n')
+        while not stop.wait(0.5):
+            for sock in slow:
+                try: sock.send(b'X')
+                except OSError: pass
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    try: assert _closed_by_server(idle + slow, 60) == 40
+    finally:
+        stop.set()
+        thread.join()
+        for sock in idle + slow: sock.close()
+
+def test_connections_past_the_limit_get_503(server):
+    "With `LIMIT` connections busy (their bodies still coming), the next request gets a quick 503, then none once they go."
+    head = (f'POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n'
+            'Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{').encode()
+    held = []
+    try:
+        for _ in range(LIMIT):
+            held.append(socket.create_connection(_address(server)))
+            held[-1].sendall(head)
+        assert wait_until(lambda: httpx.get(server.url + '/health').status_code == 503, 'a 503 past the limit', 30)
+    finally:
+        for sock in held: sock.close()
+    wait_until(lambda: httpx.get(server.url + '/health').status_code == 200, 'the server answering again', 60)
+
+def _tree_rss_mb(pid: int) -> float:
+    "The resident memory of process `pid` and all its descendants (Ray's processes, the replicas, their workers)."
+    root = psutil.Process(pid)
+    total = 0
+    for proc in [root, *root.children(recursive=True)]:
+        try: total += proc.memory_info().rss
+        except psutil.NoSuchProcess: pass
+    return total / 2**20
+
+def _stream_storm(server, count: int = 200, max_tokens: int = 400):
+    "`count` streams opened at once and left unread for 2 s, then reset (RST) while their tokens still come."
+    body = json.dumps({'model': 'tiny', 'prompt': 'Once upon a time', 'max_tokens': max_tokens, 'stream': True,
+                       'ignore_eos': True}).encode()
+    head = (f'POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n'
+            f'Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n').encode()
+    socks = []
+    for _ in range(count):
+        sock = socket.create_connection(_address(server), timeout=120)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(head + body)
+        socks.append(sock)
+    time.sleep(2.0)                      # the streams start; nothing is read: their tokens pile up in the server
+    for sock in socks:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack('ii', 1, 0))
+        sock.close()
+
+@pytest.mark.parametrize('door', ['single', 'server'])
+def test_memory_steady_after_stream_storms(door, request):
+    "Three storms of 200 reset streams: the second and third leave the server's processes no larger than the first."
+    s = request.getfixturevalue(door)
+    settled = lambda: s.state()['open_requests'] == 0
+    rss = []
+    for _ in range(3):
+        _stream_storm(s)
+        wait_until(settled, 'every stormed request ended', 120)
+        time.sleep(3.0)                  # the aborts reach the schedulers, the replicas' calls end
+        rss.append(_tree_rss_mb(s.proc.pid))
+    assert rss[2] - rss[0] < 64, rss     # one storm's working set may stay; repeating it adds nothing
+    assert httpx.get(s.url + '/health').status_code == 200
 
 # -- faults ---------------------------------------------------------------------------------------------------------
 def _settled_queries(server, timeout: float = 60.0) -> dict:

@@ -18,7 +18,7 @@ from .scheduler import integrity_mode, run_scheduler_process
 from .frontend import MAX_REQUEST_BYTES, Frontend, build_app
 
 # %% auto #0
-__all__ = ['WorkerStartError', 'Workers', 'api_keys', 'run_server']
+__all__ = ['WorkerStartError', 'Workers', 'api_keys', 'http_server', 'run_server']
 
 # %% ../../nbs/14f_launch.ipynb #c3a7e3af
 def _worker_entry(main: Callable, name: str, ready, parent_pid: int, *args):
@@ -127,6 +127,7 @@ def _raise_open_files_limit() -> int:
     except (ValueError, OSError): return soft
     return target
 
+# %% ../../nbs/14f_launch.ipynb #fecf31d4
 class _HttpProtocol(H11Protocol):
     "uvicorn's HTTP/1.1, where a request head must come within `timeout_keep_alive` s of opening or of the last answer."
     def connection_made(self, transport):
@@ -174,6 +175,23 @@ class _Server(uvicorn.Server):
         self.frontend.fail_all(503, self.frontend.fatal or 'the server is shutting down')
         await super().shutdown(sockets)
 
+def http_server(frontend: Frontend, api_keys: Sequence[str] = (), host: str = '127.0.0.1', port: int = 8000,
+                log_level: str = 'warning', drain_timeout: float = 0.0, max_request_bytes: int = MAX_REQUEST_BYTES,
+                body_timeout: float = 30.0, timeout_keep_alive: float = 5.0, limit_concurrency: int | None = None,
+                ssl_keyfile: str | None = None, ssl_certfile: str | None = None, root_path: str = '') -> _Server:
+    "The HTTP front door over `frontend`: chapter 14e's app behind its guard, on uvicorn with the deadlines and limits."
+    return_freed_memory()                    # this process holds request bodies (chapter 14a)
+    app = build_app(frontend, api_keys, max_request_bytes, body_timeout)
+    open_files = _raise_open_files_limit()
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            lifespan='on', http=_HttpProtocol, timeout_keep_alive=timeout_keep_alive,
+                            limit_concurrency=limit_concurrency or max(64, open_files - 128),
+                            ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile, root_path=root_path)
+    server = _Server(config, frontend, drain_timeout, len(api_keys))
+    frontend.on_fatal = frontend.on_drained = lambda: setattr(server, 'should_exit', True)
+    return server
+
+# %% ../../nbs/14f_launch.ipynb #fecf31d5
 def run_server(model: str, host: str = '127.0.0.1', port: int = 8000, served_model_name: str | None = None,
                chat_template: str | None = None, log_level: str = 'warning',
                drain_timeout: float = 20.0,          # SIGTERM: seconds to let requests in flight finish
@@ -195,9 +213,7 @@ def run_server(model: str, host: str = '127.0.0.1', port: int = 8000, served_mod
         path, integrity_check = _model_dir(model), integrity_mode(integrity_check)
         _check_ssl(ssl_keyfile, ssl_certfile)
     except (FileNotFoundError, ValueError) as e: raise SystemExit(f'nanoserve: {e}') from None
-    keys, open_files = api_keys(api_key), _raise_open_files_limit()
-    return_freed_memory()                    # this process holds request bodies (chapter 14a)
-    name = served_model_name or model
+    keys, name = api_keys(api_key), served_model_name or model
     main_thread = threading.current_thread() is threading.main_thread()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
     if main_thread:   # Ctrl-C and SIGTERM both shut down cleanly (uvicorn re-raises them once it has stopped)
@@ -208,14 +224,8 @@ def run_server(model: str, host: str = '127.0.0.1', port: int = 8000, served_mod
         log(f'starting the scheduler and tokenizer processes for {name}')
         info = workers.start()
         frontend = Frontend(name, workers.ipc, info, workers, watchdog_timeout, debug_hooks, stream_backlog)
-        app = build_app(frontend, keys, max_request_bytes, body_timeout)
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                                lifespan='on', http=_HttpProtocol, timeout_keep_alive=timeout_keep_alive,
-                                limit_concurrency=limit_concurrency or max(64, open_files - 128),
-                                ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile, root_path=root_path)
-        server = _Server(config, frontend, drain_timeout, len(keys))
-        frontend.on_fatal = frontend.on_drained = lambda: setattr(server, 'should_exit', True)
-        server.run()
+        http_server(frontend, keys, host, port, log_level, drain_timeout, max_request_bytes, body_timeout,
+                    timeout_keep_alive, limit_concurrency, ssl_keyfile, ssl_certfile, root_path).run()
         fatal = frontend.fatal
     except KeyboardInterrupt: pass
     except WorkerStartError as e: fatal = str(e)
