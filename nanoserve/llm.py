@@ -261,18 +261,18 @@ def checked_messages(messages: list) -> list[dict]:
     return checked
 
 class ChatTokenizer:
-    "Chat prompts to token ids in which only the chat template's markup becomes special tokens, never the client's text."
+    "Chat prompts to token ids in which only the template's markup becomes special tokens, never the client's text."
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         added = tokenizer.added_tokens_decoder
         self.special_ids = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
         texts = set(tokenizer.all_special_tokens) | {t.content for t in added.values() if t.special}
-        texts = sorted(filter(None, texts), key=len, reverse=True)     # the longest first: `<s>` inside `<s>x` is not it
+        texts = sorted(filter(None, texts), key=len, reverse=True)     # the longest first, where one holds another
         self.special_text = re.compile('|'.join(map(re.escape, texts))) if texts else None
         self._plain: dict[str, list[int]] = {}     # a special token's text -> its ids as ordinary text
 
     def hide(self, value: Any) -> tuple[Any, dict[str, str]]:
-        "`value` (messages, tools) with each special token's text in its strings replaced by a marker; the markers' texts."
+        "`value` (messages, tools) with each special token's text in its strings replaced by a marker; what each hides."
         nonce, hidden = uuid.uuid4().hex[:16], {}
         def marker(match: re.Match) -> str:
             key = f'[{nonce}#{len(hidden)}]'
@@ -286,7 +286,7 @@ class ChatTokenizer:
         return walk(value), hidden
 
     def plain_ids(self, text: str) -> list[int]:
-        "The ids of a special token's `text` as ordinary text (character by character if the tokenizer cannot split it)."
+        "The ids of a special token's `text` as ordinary text (by character if the tokenizer cannot split it)."
         if text not in self._plain:
             ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
             if self.special_ids.intersection(ids):
