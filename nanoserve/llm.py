@@ -246,6 +246,7 @@ def _request_output(prompt: str | None, prompt_ids: list[int], group: list[_Seq]
 
 # %% ../nbs/13_llm.ipynb #c4a70002
 CHAT_ROLES = ('system', 'developer', 'user', 'assistant', 'tool')
+_MARKER = re.compile(r'(\[[0-9a-f]{16}#\d+\])')     # what `ChatTokenizer.hide` puts for a special token's text
 
 def checked_messages(messages: list) -> list[dict]:
     "`messages` with their roles checked against the API's; a message of the deprecated `function` role is a tool turn."
@@ -294,13 +295,23 @@ class ChatTokenizer:
             self._plain[text] = ids
         return self._plain[text]
 
+    def restored(self, text: str, hidden: dict[str, str]) -> str:
+        "A rendered chat prompt as the model reads it: each marker back to the text it hides."
+        return _MARKER.sub(lambda m: hidden.get(m.group(), m.group()), text) if hidden else text
+
     def ids(self, text: str,                 # a prompt rendered from what `hide` returned
             hidden: dict[str, str]) -> list[int]:
         "The token ids of a rendered chat prompt: the template's markup with special tokens, each hidden text as text."
         if not hidden: return self.tokenizer(text, add_special_tokens=False).input_ids
+        pieces = _MARKER.split(text)
+        markers = {k for k in range(1, len(pieces), 2) if pieces[k] in hidden}
+        rest = [piece for k, piece in enumerate(pieces) if k not in markers]
+        backend = getattr(self.tokenizer, 'backend_tokenizer', None)    # a fast tokenizer's, without per-piece overhead
+        if backend is None: encoded = iter(self.tokenizer(rest, add_special_tokens=False).input_ids)
+        else:
+            backend.encode_special_tokens = False        # the template's markup is special (`plain_ids` turns it on)
+            encoded = (e.ids for e in backend.encode_batch(rest, add_special_tokens=False))
         ids = []
-        for k, piece in enumerate(re.split('(' + '|'.join(map(re.escape, hidden)) + ')', text)):
-            if k % 2: ids += self.plain_ids(hidden[piece])
-            elif piece: ids += self.tokenizer(piece, add_special_tokens=False).input_ids
+        for k, piece in enumerate(pieces): ids += self.plain_ids(hidden[piece]) if k in markers else next(encoded)
         return ids
 

@@ -112,7 +112,8 @@ class TokenizerWorker:
             if msg.messages is None: text, hidden = msg.prompt, {}
             else: text, hidden = self.chat_text(msg.messages, msg.tools, msg.add_generation_prompt,
                                                 msg.continue_final_message)
-            if text is not None and (why := self.too_long(text)): return error_from_value(msg.rid, ValueError(why))
+            if text is not None and (why := self.too_long(self.chat_tokenizer.restored(text, hidden))):
+                return error_from_value(msg.rid, ValueError(why))
             if text is None: ids = [int(t) for t in msg.prompt_ids or []]
             elif msg.messages is None: ids = self.tokenizer(text).input_ids
             else: ids = self.chat_tokenizer.ids(text, hidden)
