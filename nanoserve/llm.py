@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 from tqdm import tqdm
 from .config import EngineConfig
-from .req import FinishReason, Req, SamplingParams
+from .req import FinishReason, Req, SamplingParams, quoted
 from .engine import Engine
 from .overlap import OverlapEngine
 from .tp import OverlapTPEngine, TPEngine
@@ -257,7 +257,7 @@ def checked_messages(messages: list) -> list[dict]:
         if role == 'function': message = dict(message, role='tool')
         elif role not in CHAT_ROLES:
             raise ValueError(f"messages: role must be one of {', '.join(CHAT_ROLES)} (or the deprecated function), "
-                             f'got {role[:100]!r}')
+                             f'got {quoted(role)}')
         checked.append(message)
     return checked
 

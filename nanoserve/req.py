@@ -9,32 +9,43 @@ from enum import Enum
 from typing import Any, Literal, Sequence
 
 # %% auto #0
-__all__ = ['MAX_LOGPROBS', 'MAX_LOGIT_BIAS', 'SamplingParams', 'StructuredOutputsParams', 'FinishReason', 'Req', 'Batch']
+__all__ = ['MAX_LOGPROBS', 'MAX_LOGIT_BIAS', 'MAX_QUOTED', 'shortened', 'quoted', 'SamplingParams', 'StructuredOutputsParams',
+           'FinishReason', 'Req', 'Batch']
 
 # %% ../nbs/01_req.ipynb #c806af3b
 MAX_LOGPROBS = 20  # the most top-logprobs a request may ask for (vLLM's default bound)
 MAX_LOGIT_BIAS = 100.0   # a logit bias lies in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)
+MAX_QUOTED = 100   # the most characters of a client's input an error message quotes
 _GREEDY_EPS = 1e-5
+
+def shortened(text: str) -> str:
+    "`text` cut to `MAX_QUOTED` characters, for an error message that may hold a client's input (a library's)."
+    return text if len(text) <= MAX_QUOTED else f'{text[:MAX_QUOTED]}... ({len(text)} characters)'
+
+def quoted(value) -> str:
+    "`repr(value)` for an error message, shortened: a client's input is quoted, never echoed whole."
+    return shortened(repr(value))
 
 def _ids(x, name: str) -> tuple[int, ...]:
     if x is None: return ()
     if isinstance(x, int) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x):
-        raise ValueError(f'{name} must be a list of non-negative token ids, got {x!r}')
+        raise ValueError(f'{name} must be a list of non-negative token ids, got {quoted(x)}')
     return tuple(x)
 
 def _bias(x) -> dict[int, float]:
     "`logit_bias` as {token id: bias}: keys may be ids or their decimal strings (JSON's), biases numbers in range."
     if x is None: return {}
-    if not isinstance(x, dict): raise ValueError(f'logit_bias must map token ids to biases, got {x!r}')
+    if not isinstance(x, dict): raise ValueError(f'logit_bias must map token ids to biases, got {quoted(x)}')
     out = {}
     for key, value in x.items():
-        token = int(key) if isinstance(key, str) and key.isdecimal() else key
+        is_id_text = isinstance(key, str) and key.isdecimal() and len(key) < 20   # an int64's digits at most
+        token = int(key) if is_id_text else key
         if not isinstance(token, int) or isinstance(token, bool) or token < 0:
-            raise ValueError(f'logit_bias keys must be token ids (non-negative integers), got {key!r}')
+            raise ValueError(f'logit_bias keys must be token ids (non-negative integers), got {quoted(key)}')
         is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not is_number or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise ValueError(f'logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], '
-                             f'got {value!r} for token {key!r}')
+                             f'got {quoted(value)} for token {quoted(key)}')
         out[token] = float(value)
     return out
 
@@ -66,7 +77,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | dict | None = None   # constrain the output to a grammar (chapter 09a)
 
     def __post_init__(self):
-        def bad(name, why): raise ValueError(f'{name} {why}, got {getattr(self, name)!r}')
+        def bad(name, why): raise ValueError(f'{name} {why}, got {quoted(getattr(self, name))}')
         def is_a(name, kind): return isinstance(getattr(self, name), kind) and not isinstance(getattr(self, name), bool)
         def num(name): return is_a(name, (int, float))
         def integer(name): return is_a(name, int)
@@ -160,13 +171,14 @@ class StructuredOutputsParams:
                              f'got {given or "none"}')
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError('structured_outputs: json must be a JSON schema (an object or its text), '
-                             f'got {self.json!r}')
+                             f'got {quoted(self.json)}')
         for name in ('regex', 'grammar'):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise ValueError(f'structured_outputs: {name} must be a string, got {getattr(self, name)!r}')
+                raise ValueError(f'structured_outputs: {name} must be a string, got {quoted(getattr(self, name))}')
         if self.choice is not None:
             if isinstance(self.choice, str) or not self.choice or not all(isinstance(c, str) for c in self.choice):
-                raise ValueError(f'structured_outputs: choice must be a non-empty list of strings, got {self.choice!r}')
+                raise ValueError('structured_outputs: choice must be a non-empty list of strings, '
+                                 f'got {quoted(self.choice)}')
             self.choice = list(self.choice)
 
     @property

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 import torch
-from .req import Req, StructuredOutputsParams
+from .req import Req, StructuredOutputsParams, shortened
 from .pages import to_device
 
 # %% auto #0
@@ -26,8 +26,8 @@ def _xgrammar():
     return xgrammar
 
 def _library_message(e: Exception) -> str:
-    "xgrammar's error text without its timestamp and source location."
-    return re.sub(r'^\[[^\]]*\]\s*\S+:\d+:\s*', '', str(e).strip())
+    "xgrammar's error text without its timestamp and source location, shortened (it may quote the grammar)."
+    return shortened(re.sub(r'^\[[^\]]*\]\s*\S+:\d+:\s*', '', str(e).strip()))
 
 def grammar_key(so: StructuredOutputsParams) -> tuple[str, str]:
     "What identifies the grammar of `so`: its kind and its text (a schema re-serialised, so spacing does not count)."

@@ -8,10 +8,12 @@ and the resident memory of the server's three processes around it. The figures o
 Cases: body20 / body100 (a completion whose prompt makes a 20 / 100 MB body, sent with a Content-Length),
 ctx10x (a prompt of 10x the context in characters), slow-body (20 clients sending a body a byte every 0.2 s beside
 normal requests), idle (1000 connections that send nothing, beside normal requests), fd-limit (1100 idle connections
-against a server started with a soft limit of 1024 open files), forge (chats whose content, tool results, tool-call
-arguments and role hold the tiny tokenizer's special-token text `<s>` / `</s>`: the status of each, and whether the
-prompt's control tokens are the template's own, counted from the ids that `prompt_logprobs` returns). A server
-whose processes grow past `--rss-cap-gb` together is killed (the case then reads 'killed'): the machine is shared.
+against a server started with a soft limit of 1024 open files), bad-words (64 bad words of 100,000 characters, beside
+normal requests), huge-name (a model name of 1 MiB), two-keys (two Authorization headers, in both orders, against a
+server with a key), forge (chats whose content, tool results, tool-call arguments and role hold the tiny tokenizer's
+special-token text `<s>` / `</s>`: the status of each, and whether the prompt's control tokens are the template's own,
+counted from the ids that `prompt_logprobs` returns). A server whose processes grow past `--rss-cap-gb` together is
+killed (the case then reads 'killed'): the machine is shared.
 """
 import argparse, json, os, resource, selectors, socket, sys, tempfile, threading, time
 import httpx
@@ -164,7 +166,43 @@ def run_case(name: str, s: ServerProcess, watch: Watch, headers: dict) -> dict:
         return {'normal ok': f'{ok}/8', 'slowest normal s': round(slowest, 2),
                 'idle closed by server': f'{closed}/{count}', 'last closed at s': round(last, 1)}
     if name == 'forge': return forge(s, headers)
+    if name in LIMIT_CASES: return LIMIT_CASES[name](url, headers)
     raise ValueError(name)
+
+def bad_words_case(url: str, headers: dict) -> dict:
+    "64 bad words of 100,000 characters: the answer and its seconds, and normal requests sent meanwhile."
+    body = {'model': 'tiny', 'prompt': 'Hello', 'max_tokens': 1, 'bad_words': ['x' * 100_000] * 64}
+    answer = {}
+    def send():
+        start = time.monotonic()
+        r = httpx.post(url + '/v1/completions', json=body, headers=headers, timeout=300)
+        answer.update(status=r.status_code, seconds=round(time.monotonic() - start, 2))
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(0.2)
+    ok, slowest = normal_requests(url, 4, headers)
+    sender.join()
+    return {'answer': answer['status'], 'seconds': answer['seconds'], 'normal ok': f'{ok}/4',
+            'slowest normal s': round(slowest, 2)}
+
+def huge_name_case(url: str, headers: dict) -> dict:
+    "A model name of 1 MiB: the status and how many bytes the answer has."
+    body = {'model': 'm' * 2**20, 'prompt': 'Hello', 'max_tokens': 1}
+    r = httpx.post(url + '/v1/completions', json=body, headers=headers, timeout=60)
+    return {'answer': r.status_code, 'body bytes': len(r.content)}
+
+def two_keys_case(url: str, headers: dict) -> dict:
+    "Two Authorization headers, the server's key first and second: the status of each."
+    body = {'model': 'tiny', 'prompt': 'Hello', 'max_tokens': 1}
+    good, other = headers['Authorization'], 'Bearer sk-other'
+    statuses = {}
+    for order, pair in [('key first', [good, other]), ('key second', [other, good])]:
+        r = httpx.post(url + '/v1/completions', json=body, headers=[('Authorization', v) for v in pair], timeout=60)
+        statuses[order] = r.status_code
+    return statuses
+
+LIMIT_CASES = {'bad-words': bad_words_case, 'huge-name': huge_name_case, 'two-keys': two_keys_case}
+CASE_SERVE = {'two-keys': {'api_key': 'sk-abuse'}}    # a case's own server arguments
 
 def forge(s: ServerProcess, headers: dict) -> dict:
     "Chats that try to forge turns: per attempt, its status and the prompt's control tokens against the template's."
@@ -201,7 +239,7 @@ def forge(s: ServerProcess, headers: dict) -> dict:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('cases', nargs='*', default=['body20', 'body100', 'ctx10x', 'slow-body', 'idle', 'fd-limit',
-                                                 'forge'])
+                                                *LIMIT_CASES, 'forge'])
     p.add_argument('--serve', default='{}', help="run_server's extra arguments, as JSON")
     p.add_argument('--rss-cap-gb', type=float, default=5.0)
     args = p.parse_args()
@@ -211,7 +249,8 @@ def main():
     for name in args.cases:
         if name == 'fd-limit': resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))   # the server inherits it
         log = open(tempfile.mkstemp(suffix='.log')[1], 'w')
-        s = ServerProcess(str(model), served_model_name='tiny', stderr=log, **ENGINE, **serve).start()
+        s = ServerProcess(str(model), served_model_name='tiny', stderr=log, **ENGINE, **CASE_SERVE.get(name, {}),
+                          **serve).start()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         headers = s.headers
         pids = {'api': s.proc.pid, **s.state()['pids']}

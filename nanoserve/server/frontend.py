@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from ..req import SamplingParams
+from ..req import SamplingParams, quoted
 from ..processes import exit_words
 from .messages import (
     AbortReq, ContextLength, DebugReq, ErrorOut, GenerateReq, ReplyOut, TextOut, decode, encode, log, open_socket)
@@ -357,7 +357,7 @@ class Frontend:
 
     def check_model(self, model: str | None):
         if model is not None and model != self.model_name:
-            raise ApiError(404, f'The model `{model}` does not exist.', 'model', 'model_not_found')
+            raise ApiError(404, f'The model {quoted(model)} does not exist.', 'model', 'model_not_found')
 
 # %% ../../nbs/14e_frontend.ipynb #e3a1c002
 MAX_REQUEST_BYTES = 32 * 2**20          # 32 MiB: the largest body the server reads, unless told otherwise
@@ -385,9 +385,10 @@ class RequestGuard:
         self.app, self.max_request_bytes, self.body_timeout = app, max_request_bytes, body_timeout
         self._keys = [_digest(key.encode()) for key in api_keys]   # digests only: nothing to leak but these
 
-    def authorized(self, headers: dict) -> bool:
-        "Whether `headers` carry `Authorization: Bearer KEY` with one of the keys (compared with all, constant time)."
-        scheme, _, token = headers.get(b'authorization', b'').partition(b' ')
+    def authorized(self, sent: list[bytes]) -> bool:
+        "Whether `sent`, the Authorization headers, is one `Bearer KEY` of a key (compared with all, constant time)."
+        if len(sent) != 1: return False         # two credentials are ambiguous, whichever of them is right
+        scheme, _, token = sent[0].partition(b' ')
         sent = _digest(token.strip())
         matches = [hmac.compare_digest(sent, key) for key in self._keys]
         return scheme.lower() == b'bearer' and any(matches)
@@ -398,8 +399,10 @@ class RequestGuard:
     async def __call__(self, scope, receive, send):
         if scope['type'] != 'http': return await self.app(scope, receive, send)
         headers = dict(scope['headers'])
-        if self._keys and _route_path(scope) not in OPEN_PATHS and not self.authorized(headers):
-            message = 'a valid API key is required, as "Authorization: Bearer KEY"'
+        credentials = [value for name, value in scope['headers'] if name == b'authorization']
+        if self._keys and _route_path(scope) not in OPEN_PATHS and not self.authorized(credentials):
+            message = 'a valid API key is required, as one "Authorization: Bearer KEY" header'
+            if len(credentials) > 1: message += f', got {len(credentials)} Authorization headers'
             response = _closing(ApiError(401, message, None, 'invalid_api_key'))
             response.headers['WWW-Authenticate'] = 'Bearer'
             return await response(scope, receive, send)
@@ -581,7 +584,7 @@ def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_byte
         tool_grammar = tools.structured_outputs()
         if tool_grammar is not None:     # `required` or a named function: a grammar makes the call
             if structured is not None:
-                message = f'{grammar_field} cannot be combined with tool_choice {tools.choice!r}'
+                message = f'{grammar_field} cannot be combined with tool_choice {quoted(tools.choice)}'
                 raise ApiError(400, message, grammar_field)
             structured, grammar_field = tool_grammar, 'tool_choice'
         sp = sampling_params_from(body, structured)

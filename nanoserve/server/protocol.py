@@ -9,15 +9,16 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
-from ..req import SamplingParams, StructuredOutputsParams
+from pydantic import BaseModel, ConfigDict, model_validator
+from ..req import MAX_QUOTED, SamplingParams, StructuredOutputsParams, quoted
 from .messages import ErrorOut, GenerateReq, TextOut, encode
 
 # %% auto #0
-__all__ = ['CONTEXT_ERROR', 'IGNORED_FIELDS', 'MAX_N', 'MAX_PROMPTS', 'MAX_STOP', 'MAX_STOP_CHARS', 'MAX_LOGIT_BIAS', 'MAX_TOOLS',
-           'MAX_TOOL_CALLS', 'SSE_DONE', 'ApiError', 'error_from_value', 'StreamOptions', 'CompletionRequest',
-           'ChatCompletionRequest', 'sampling_params_from', 'structured_outputs_from', 'ToolCalling', 'ToolCallStream',
-           'validation_error', 'encode_request', 'sse', 'Choice', 'ResponseFormat', 'usage_dict']
+__all__ = ['CONTEXT_ERROR', 'IGNORED_FIELDS', 'REFUSED_FIELDS', 'MAX_N', 'MAX_PROMPTS', 'MAX_STOP', 'MAX_STOP_CHARS',
+           'MAX_LOGIT_BIAS', 'MAX_ALLOWED_TOKEN_IDS', 'MAX_GRAMMAR_CHARS', 'MAX_TOOLS', 'MAX_TOOL_CALLS', 'SSE_DONE',
+           'ApiError', 'error_from_value', 'StreamOptions', 'CompletionRequest', 'ChatCompletionRequest',
+           'sampling_params_from', 'structured_outputs_from', 'ToolCalling', 'ToolCallStream', 'validation_error',
+           'encode_request', 'sse', 'Choice', 'ResponseFormat', 'usage_dict']
 
 # %% ../../nbs/14b_protocol.ipynb #9a9747ae
 class ApiError(Exception):
@@ -50,11 +51,41 @@ class StreamOptions(BaseModel):
     include_usage: bool = False            # a last chunk with the usage
     continuous_usage_stats: bool = False   # vLLM's: the usage so far in every chunk
 
-IGNORED_FIELDS = ('user', 'store', 'metadata')   # OpenAI fields with no meaning for a local server: accepted, unused
+IGNORED_FIELDS = {   # OpenAI's request fields with no meaning for a local server: accepted, unused; why
+    'user': "an end user's id, for OpenAI's abuse monitoring",
+    'safety_identifier': "the same, under its newer name",
+    'store': 'whether OpenAI keeps the completion (for distillation and evals)',
+    'metadata': 'tags for a stored completion',
+    'service_tier': "which of OpenAI's processing tiers (and prices) serves the request",
+    'prompt_cache_key': "routes similar prompts to the same OpenAI cache; the radix cache (chapter 04) needs no key",
+    'prompt_cache_retention': "how long OpenAI keeps a cached prompt",
+    'prompt_cache_options': "OpenAI's cache breakpoints and lifetime; the radix cache keeps prefixes while it can",
+    'reasoning_effort': "how long OpenAI's reasoning models think; a local model's chat template decides",
+    'verbosity': "how long OpenAI's GPT-5 models answer",
+    'prediction': 'output known ahead, to speed OpenAI up; the output does not depend on it',
+    'modalities': 'the output modalities; this server answers in text',
+    'audio': 'the voice and format of audio output; this server answers in text',
+    'web_search_options': "OpenAI's web search; a local model answers from its weights alone",
+    'moderation': "OpenAI's moderation of the input and output",
+}
+REFUSED_FIELDS = {   # OpenAI's request fields this server does not implement: a 400 naming the field when it is set
+    'suffix': 'text after the completion (fill-in-the-middle)',
+    'best_of': 'the n best of best_of completions by their logprobs (refused when it is not n)',
+    'functions': 'the older form of tools: send tools',
+    'function_call': 'the older form of tool_choice: send tool_choice',
+}
 
 class _SamplingRequest(BaseModel):
     "Fields shared by completions and chat."
     model_config = ConfigDict(extra='allow')   # kept, to refuse by name (`_refuse_unsupported`)
+
+    @model_validator(mode='before')
+    @classmethod
+    def _null_is_unset(cls, data):
+        "A field sent as null is a field not sent: its default applies (SDKs send null for what they leave unset)."
+        if not isinstance(data, dict): return data
+        return {name: value for name, value in data.items() if value is not None or name not in cls.model_fields}
+
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -117,30 +148,39 @@ class ChatCompletionRequest(_SamplingRequest):
 MAX_N, MAX_PROMPTS = 128, 2048
 MAX_STOP, MAX_STOP_CHARS = 64, 1000   # stop strings (and stop token ids) per request; characters per stop string
 MAX_LOGIT_BIAS = 300                  # logit_bias entries per request
+MAX_ALLOWED_TOKEN_IDS = 2**18         # allowed_token_ids per request: the largest vocabularies' size
+MAX_GRAMMAR_CHARS = 100_000           # characters of a schema (as JSON), regex, grammar or the choices together
 
 def _refuse_unsupported(body: _SamplingRequest):
-    "400 for fields whose meaning nanoserve does not implement, and for fields it does not know."
-    unsupported = [(name, True) for name in body.model_extra or {} if name not in IGNORED_FIELDS]
+    "400 for OpenAI's fields whose meaning nanoserve does not implement, and for fields it does not know."
+    extra = body.model_extra or {}
+    unknown = [name for name in extra if name not in IGNORED_FIELDS and name not in REFUSED_FIELDS]
+    if unknown:
+        message = f"{quoted(unknown[0])} is not supported by this server: OpenAI's API has no such field"
+        raise ApiError(400, message, unknown[0][:MAX_QUOTED])
+    refused = [(name, value is not None) for name, value in extra.items() if name in REFUSED_FIELDS]
     if isinstance(body, CompletionRequest):
-        unsupported += [('suffix', body.suffix is not None), ('best_of', body.best_of not in (None, body.n))]
-    for name, used in unsupported:
-        if used: raise ApiError(400, f'{name} is not supported by this server', name)
+        refused += [('suffix', body.suffix is not None), ('best_of', body.best_of not in (None, body.n))]
+    for name, used in refused:
+        if used: raise ApiError(400, f'{name} is not supported by this server ({REFUSED_FIELDS[name]})', name)
     if isinstance(body, ChatCompletionRequest) and body.continue_final_message and body.add_generation_prompt:
         raise ApiError(400, 'continue_final_message needs add_generation_prompt to be false: the last message is '
                        'continued, no new turn is opened', 'continue_final_message')
 
 def _refuse_oversized(body: _SamplingRequest):
-    "400 for more choices, stop strings or stop token ids than the server takes, or a stop string too long."
+    "400 for more choices, stop strings, ids or bad words than the server takes, or a stop string or bad word too long."
     if body.n > MAX_N: raise ApiError(400, f'n must be <= {MAX_N}, got {body.n}', 'n')
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     for name, count, most in [('stop', len(stop), MAX_STOP),
                               ('stop_token_ids', len(body.stop_token_ids or []), MAX_STOP),
                               ('bad_words', len(body.bad_words or []), MAX_STOP),
-                              ('logit_bias', len(body.logit_bias or {}), MAX_LOGIT_BIAS)]:
+                              ('logit_bias', len(body.logit_bias or {}), MAX_LOGIT_BIAS),
+                              ('allowed_token_ids', len(body.allowed_token_ids or []), MAX_ALLOWED_TOKEN_IDS)]:
         if count > most: raise ApiError(400, f'{name} must have at most {most} entries, got {count}', name)
-    longest = max(map(len, stop), default=0)
-    if longest > MAX_STOP_CHARS:
-        raise ApiError(400, f'stop strings must have at most {MAX_STOP_CHARS} characters, got {longest}', 'stop')
+    for name, texts, kind in [('stop', stop, 'stop strings'), ('bad_words', body.bad_words or [], 'bad words')]:
+        longest = max(map(len, texts), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ApiError(400, f'{name}: {kind} must have at most {MAX_STOP_CHARS} characters, got {longest}', name)
 
 def sampling_params_from(body: CompletionRequest | ChatCompletionRequest,
                          structured_outputs: StructuredOutputsParams | None = None,  # from `structured_outputs_from`
@@ -195,7 +235,14 @@ def _response_format(value: dict) -> dict | None:
         if not isinstance(spec, dict) or not isinstance(spec.get('schema', {}), dict):
             raise ValueError('response_format: json_schema must be an object whose schema is a JSON schema object')
         return {'json': spec.get('schema') or {'type': 'object'}}
-    raise ValueError(f"response_format: type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    raise ValueError(f"response_format: type must be 'text', 'json_object' or 'json_schema', got {quoted(kind)}")
+
+def _grammar_chars(so: StructuredOutputsParams) -> int:
+    "How long the grammar a request sends is: its schema as JSON, its regex or grammar, or its choices together."
+    value = getattr(so, so.kind)
+    if so.kind == 'choice': return sum(map(len, value))
+    if isinstance(value, dict): return len(json.dumps(value))
+    return len(value) if isinstance(value, str) else 0      # json_object: no text
 
 def structured_outputs_from(body: CompletionRequest | ChatCompletionRequest,
                            ) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -208,10 +255,17 @@ def structured_outputs_from(body: CompletionRequest | ChatCompletionRequest,
         if name == 'response_format': grammar_fields = _response_format(value)
         elif name == 'structured_outputs': grammar_fields = dict(value)
         else: grammar_fields = {_GUIDED[name]: value}
-        return (StructuredOutputsParams(**grammar_fields) if grammar_fields is not None else None), name
-    except (TypeError, ValueError) as e:
+        structured = StructuredOutputsParams(**grammar_fields) if grammar_fields is not None else None
+    except TypeError:       # a key that is none of the kinds
+        kinds = ', '.join(f.name for f in fields(StructuredOutputsParams))
+        raise ApiError(400, f'{name} must set exactly one of {kinds}, got {quoted(value)}', name) from None
+    except ValueError as e:
         message = str(e).removeprefix('structured_outputs: ').removeprefix('response_format: ')
         raise ApiError(400, f'{name}: {message}', name) from None
+    if structured is not None and _grammar_chars(structured) > MAX_GRAMMAR_CHARS:
+        raise ApiError(400, f'{name}: the grammar has {_grammar_chars(structured)} characters, more than the '
+                            f'{MAX_GRAMMAR_CHARS} this server compiles', name)
+    return structured, name
 
 # %% ../../nbs/14b_protocol.ipynb #14b50004
 MAX_TOOLS = 128        # tools per request: each is rendered into the prompt and may become a branch of a grammar
@@ -253,23 +307,24 @@ class ToolCalling:
             function = self.choice.get('function') if self.choice.get('type') == 'function' else None
             self.named = function.get('name') if isinstance(function, dict) else None
             if self.named not in self.schemas:
-                raise ApiError(400, f'tool_choice: names no function of tools, got {tool_choice!r}', 'tool_choice')
+                message = f'tool_choice: names no function of tools, got {quoted(tool_choice)}'
+                raise ApiError(400, message, 'tool_choice')
         elif self.choice not in ('none', 'auto', 'required'):
             raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or a named function, "
-                                f'got {tool_choice!r}', 'tool_choice')
+                                f'got {quoted(tool_choice)}', 'tool_choice')
         elif self.choice != 'none' and not self.tools:
-            raise ApiError(400, f'tool_choice: {self.choice!r} needs tools', 'tool_choice')
+            raise ApiError(400, f'tool_choice: {quoted(self.choice)} needs tools', 'tool_choice')
 
     def _checked_tools(self, tools) -> list[dict]:
+        self.schemas = {}         # name -> its parameters' schema
         if tools is None: return []
         if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
             raise ApiError(400, f'tools must be a list of at most {MAX_TOOLS} tools', 'tools')
-        self.schemas = {}         # name -> its parameters' schema
         for tool in tools:
             function = tool.get('function') if isinstance(tool, dict) and tool.get('type') == 'function' else None
             if not isinstance(function, dict) or not isinstance(function.get('name'), str) or not function['name']:
                 raise ApiError(400, f'tools: each tool must be {{"type": "function", "function": {{"name": ...}}}}, '
-                                    f'got {tool!r}', 'tools')
+                                    f'got {quoted(tool)}', 'tools')
             parameters = function.get('parameters', {'type': 'object'})
             if not isinstance(parameters, dict):
                 raise ApiError(400, 'tools: parameters must be a JSON schema object', 'tools')

@@ -8,7 +8,7 @@ import json, os, traceback
 from multiprocessing.connection import Connection
 from typing import Any
 import zmq
-from ..req import SamplingParams
+from ..req import SamplingParams, shortened
 from .messages import (
     AbortReq, ContextLength, DebugReq, ErrorOut, GenerateReq, ReplyOut, StepOut, TextOut, TokenizedReq, TokenOut,
     decode, log, open_socket, parent_alive, return_freed_memory, send)
@@ -120,7 +120,7 @@ class TokenizerWorker:
             sp = SamplingParams(**msg.params)
             if sp.bad_words: sp.tokenize_bad_words(self.tokenizer)
         except Exception as e:   # template errors come as jinja2 or ValueError; all are the request's fault
-            why = str(e)
+            why = shortened(str(e))
             return ErrorOut(msg.rid, why if why.startswith(param) else f'{param}: {why}', 400, param)
         if not ids: return ErrorOut(msg.rid, f'{param}: the prompt is empty', 400, param)
         if sp.structured_outputs is not None:   # the grammar library checks the schema, regex or grammar (chapter 09a)
