@@ -256,8 +256,7 @@ def checked_messages(messages: list) -> list[dict]:
         if not isinstance(role, str): raise ValueError("messages: each message must be an object with a 'role'")
         if role == 'function': message = dict(message, role='tool')
         elif role not in CHAT_ROLES:
-            raise ValueError(f"messages: role must be one of {', '.join(CHAT_ROLES)} (or the deprecated function), "
-                             f'got {quoted(role)}')
+            raise ValueError(f"messages: role {quoted(role)} is not one of {', '.join(CHAT_ROLES)}")
         checked.append(message)
     return checked
 
