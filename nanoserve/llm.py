@@ -4,18 +4,19 @@
 
 # %% ../nbs/13_llm.ipynb #a033ec3b
 from __future__ import annotations
-import time
+import re, time, uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 from tqdm import tqdm
 from .config import EngineConfig
-from .req import FinishReason, Req, SamplingParams
+from .req import FinishReason, Req, SamplingParams, quoted
 from .engine import Engine
 from .overlap import OverlapEngine
 from .tp import OverlapTPEngine, TPEngine
 
 # %% auto #0
-__all__ = ['IncrementalDetokenizer', 'CompletionOutput', 'RequestOutput', 'make_engine', 'LLM']
+__all__ = ['CHAT_ROLES', 'IncrementalDetokenizer', 'CompletionOutput', 'RequestOutput', 'make_engine', 'LLM', 'checked_messages',
+           'ChatTokenizer']
 
 # %% ../nbs/13_llm.ipynb #105a1429
 class IncrementalDetokenizer:
@@ -158,14 +159,15 @@ class LLM:
              chat_template: str | None = None) -> list[RequestOutput]:
         "Generate replies to a conversation (a list of {'role', 'content'} dicts) or a list of conversations."
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = []
+        chat_tokenizer = ChatTokenizer(self.tokenizer)
+        ids = []
         for conv in convs:
             if not all(isinstance(m, dict) and 'role' in m and 'content' in m for m in conv):
                 raise ValueError("messages: each message must be a dict with 'role' and 'content'")
+            conv, hidden = chat_tokenizer.hide(checked_messages(conv))
             text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                       chat_template=chat_template)
-            prompts.append(text)
-        ids = [self.tokenizer(t, add_special_tokens=False).input_ids for t in prompts]
+            ids.append(chat_tokenizer.ids(text, hidden))
         return self.generate([{'prompt_token_ids': i} for i in ids], sampling_params, use_tqdm)
 
     def _check(self, ids: list[int], sp: SamplingParams):
@@ -241,3 +243,74 @@ def _request_output(prompt: str | None, prompt_ids: list[int], group: list[_Seq]
     prompt_logprobs = _logprob_dicts(first.prompt_logprobs) if first.prompt_logprobs else None
     completions = [_completion(k, s) for k, s in enumerate(group)]
     return RequestOutput(first.uid, prompt, list(prompt_ids), completions, True, prompt_logprobs)
+
+# %% ../nbs/13_llm.ipynb #c4a70002
+CHAT_ROLES = ('system', 'developer', 'user', 'assistant', 'tool')
+_MARKER = re.compile(r'(\[[0-9a-f]{16}#\d+\])')     # what `ChatTokenizer.hide` puts for a special token's text
+
+def checked_messages(messages: list) -> list[dict]:
+    "`messages` with their roles checked against the API's; a message of the deprecated `function` role is a tool turn."
+    checked = []
+    for message in messages:
+        role = message.get('role') if isinstance(message, dict) else None
+        if not isinstance(role, str): raise ValueError("messages: each message must be an object with a 'role'")
+        if role == 'function': message = dict(message, role='tool')
+        elif role not in CHAT_ROLES:
+            raise ValueError(f"messages: role {quoted(role)} is not one of {', '.join(CHAT_ROLES)}")
+        checked.append(message)
+    return checked
+
+class ChatTokenizer:
+    "Chat prompts to token ids in which only the template's markup becomes special tokens, never the client's text."
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        added = tokenizer.added_tokens_decoder
+        self.special_ids = set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}
+        texts = set(tokenizer.all_special_tokens) | {t.content for t in added.values() if t.special}
+        texts = sorted(filter(None, texts), key=len, reverse=True)     # the longest first, where one holds another
+        self.special_text = re.compile('|'.join(map(re.escape, texts))) if texts else None
+        self._plain: dict[str, list[int]] = {}     # a special token's text -> its ids as ordinary text
+
+    def hide(self, value: Any) -> tuple[Any, dict[str, str]]:
+        "`value` (messages, tools) with each special token's text in its strings replaced by a marker; what each hides."
+        nonce, hidden = uuid.uuid4().hex[:16], {}
+        def marker(match: re.Match) -> str:
+            key = f'[{nonce}#{len(hidden)}]'
+            hidden[key] = match.group()
+            return key
+        def walk(v):
+            if isinstance(v, str): return v if self.special_text is None else self.special_text.sub(marker, v)
+            if isinstance(v, dict): return {walk(k): walk(x) for k, x in v.items()}
+            if isinstance(v, (list, tuple)): return type(v)(walk(x) for x in v)
+            return v
+        return walk(value), hidden
+
+    def plain_ids(self, text: str) -> list[int]:
+        "The ids of a special token's `text` as ordinary text (by character if the tokenizer cannot split it)."
+        if text not in self._plain:
+            ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
+            if self.special_ids.intersection(ids):
+                ids = [i for ch in text for i in self.tokenizer(ch, add_special_tokens=False).input_ids]
+            self._plain[text] = ids
+        return self._plain[text]
+
+    def restored(self, text: str, hidden: dict[str, str]) -> str:
+        "A rendered chat prompt as the model reads it: each marker back to the text it hides."
+        return _MARKER.sub(lambda m: hidden.get(m.group(), m.group()), text) if hidden else text
+
+    def ids(self, text: str,                 # a prompt rendered from what `hide` returned
+            hidden: dict[str, str]) -> list[int]:
+        "The token ids of a rendered chat prompt: the template's markup with special tokens, each hidden text as text."
+        if not hidden: return self.tokenizer(text, add_special_tokens=False).input_ids
+        pieces = _MARKER.split(text)
+        markers = {k for k in range(1, len(pieces), 2) if pieces[k] in hidden}
+        rest = [piece for k, piece in enumerate(pieces) if k not in markers]
+        backend = getattr(self.tokenizer, 'backend_tokenizer', None)    # a fast tokenizer's, without per-piece overhead
+        if backend is None: encoded = iter(self.tokenizer(rest, add_special_tokens=False).input_ids)
+        else:
+            backend.encode_special_tokens = False        # the template's markup is special (`plain_ids` turns it on)
+            encoded = (e.ids for e in backend.encode_batch(rest, add_special_tokens=False))
+        ids = []
+        for k, piece in enumerate(pieces): ids += self.plain_ids(hidden[piece]) if k in markers else next(encoded)
+        return ids
+

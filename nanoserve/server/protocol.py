@@ -15,10 +15,10 @@ from .messages import ErrorOut, GenerateReq, TextOut, encode
 
 # %% auto #0
 __all__ = ['CONTEXT_ERROR', 'IGNORED_FIELDS', 'REFUSED_FIELDS', 'MAX_N', 'MAX_PROMPTS', 'MAX_STOP', 'MAX_STOP_CHARS',
-           'MAX_LOGIT_BIAS', 'MAX_ALLOWED_TOKEN_IDS', 'MAX_GRAMMAR_CHARS', 'MAX_TOOLS', 'SSE_DONE', 'ApiError',
-           'error_from_value', 'StreamOptions', 'CompletionRequest', 'ChatCompletionRequest', 'sampling_params_from',
-           'structured_outputs_from', 'ToolCalling', 'ToolCallStream', 'validation_error', 'encode_request', 'sse',
-           'Choice', 'ResponseFormat', 'usage_dict']
+           'MAX_LOGIT_BIAS', 'MAX_ALLOWED_TOKEN_IDS', 'MAX_GRAMMAR_CHARS', 'MAX_TOOLS', 'MAX_TOOL_CALLS', 'SSE_DONE',
+           'ApiError', 'error_from_value', 'StreamOptions', 'CompletionRequest', 'ChatCompletionRequest',
+           'sampling_params_from', 'structured_outputs_from', 'ToolCalling', 'ToolCallStream', 'validation_error',
+           'encode_request', 'sse', 'Choice', 'ResponseFormat', 'usage_dict']
 
 # %% ../../nbs/14b_protocol.ipynb #9a9747ae
 class ApiError(Exception):
@@ -269,6 +269,7 @@ def structured_outputs_from(body: CompletionRequest | ChatCompletionRequest,
 
 # %% ../../nbs/14b_protocol.ipynb #14b50004
 MAX_TOOLS = 128        # tools per request: each is rendered into the prompt and may become a branch of a grammar
+MAX_TOOL_CALLS = 128   # calls in one `required` reply: the grammar's array ends there
 
 _CALL_TAG = re.compile(r'<tool_call>(.*?)(?:</tool_call>|$)', re.S)
 
@@ -280,6 +281,20 @@ def _call_objects(text: str) -> list | None:
         except ValueError: continue
         return value if isinstance(value, list) else [value]
     return None
+
+def _complete_items(text: str) -> list:
+    "The complete elements of a JSON array cut short, in order (none if `text` does not open an array)."
+    decoder, items = json.JSONDecoder(), []
+    start = re.match(r'\s*\[\s*', text)
+    if start is None: return []
+    position = start.end()
+    while True:
+        try: item, position = decoder.raw_decode(text, position)
+        except ValueError: return items
+        items.append(item)
+        comma = re.compile(r'\s*,\s*').match(text, position)
+        if comma is None: return items
+        position = comma.end()
 
 class ToolCalling:
     "A chat request's `tools` and `tool_choice`, checked: the grammar that enforces them, and the calls in a reply."
@@ -332,21 +347,27 @@ class ToolCalling:
         if self.choice != 'required': return None
         calls = [{'type': 'object', 'properties': {'name': {'enum': [name]}, 'arguments': schema},
                   'required': ['name', 'arguments']} for name, schema in self.schemas.items()]
-        array = {'type': 'array', 'minItems': 1, 'items': {'anyOf': calls}}
-        return StructuredOutputsParams(json=array if self.parallel else {**array, 'maxItems': 1})
+        array = {'type': 'array', 'minItems': 1, 'maxItems': MAX_TOOL_CALLS if self.parallel else 1,
+                 'items': {'anyOf': calls}}
+        return StructuredOutputsParams(json=array)
 
     def _call(self, name: str, arguments) -> dict:
         arguments = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         return {'id': f'call_{uuid.uuid4().hex[:24]}', 'type': 'function',
                 'function': {'name': name, 'arguments': arguments}}
 
-    def parse(self, text: str) -> tuple[str | None, list[dict]]:
+    def parse(self, text: str,
+              cut: bool = False,   # the reply ended at `max_tokens`: the complete calls of an array cut short count
+              ) -> tuple[str | None, list[dict]]:
         "The reply's text less its tool calls (None if nothing is left), and the calls."
         if not self.active: return text, []
         if self.named is not None:
             return (None, [self._call(self.named, text)]) if _call_objects(text) is not None else (text, [])
+        def values_in(block: str) -> list:
+            values = _call_objects(block)
+            return _complete_items(block) if values is None and cut else values or []
         tagged = _CALL_TAG.findall(text)
-        values = [v for block in tagged for v in (_call_objects(block) or [])] if tagged else _call_objects(text) or []
+        values = [v for block in tagged for v in values_in(block)] if tagged else values_in(text)
         calls = [self._call(v['name'], v.get('arguments', v.get('parameters', {}))) for v in values
                  if isinstance(v, dict) and v.get('name') in self.schemas]
         if not calls: return text, []
@@ -355,7 +376,7 @@ class ToolCalling:
 
     def answer(self, choice: dict):
         "Rewrite a chat response's choice: its calls into `message.tool_calls`, its finish reason `tool_calls` if any."
-        content, calls = self.parse(choice['message']['content'])
+        content, calls = self.parse(choice['message']['content'], cut=choice['finish_reason'] == 'length')
         if not calls: return
         choice['message'].update(content=content, tool_calls=calls)
         if choice['finish_reason'] == 'stop': choice['finish_reason'] = 'tool_calls'
@@ -375,7 +396,9 @@ class ToolCallStream:
         if self.tools.choice != 'auto': return True
         return not text or any(text.startswith(o) or o.startswith(text) for o in _CALL_OPENERS)
 
-    def deltas(self, index: int, text: str, finished: bool) -> tuple[list[dict], bool]:
+    def deltas(self, index: int, text: str, finished: bool,
+               cut: bool = False,      # it finished at `max_tokens` (see `ToolCalling.parse`)
+               ) -> tuple[list[dict], bool]:
         "The chat deltas for a choice's new `text`, and whether the choice called a tool (known once `finished`)."
         if index in self.streaming: return ([{'content': text}] if text else []), False
         held = self.held.get(index, '') + text
@@ -386,7 +409,7 @@ class ToolCallStream:
             self.streaming.add(index)
             return [{'content': held}], False
         self.held.pop(index, None)
-        content, calls = self.tools.parse(held)
+        content, calls = self.tools.parse(held, cut)
         out = [{'content': content}] if content else []
         for k, call in enumerate(calls):       # each call in two deltas: its id and name, then its arguments
             name, arguments = call['function']['name'], call['function']['arguments']
@@ -396,7 +419,7 @@ class ToolCallStream:
 
     def chunks(self, out: TextOut, fmt: ResponseFormat) -> list[dict]:
         "The chat chunks for one `TextOut` of the reply: its deltas, then, if it finished, the finish reason."
-        deltas, called = self.deltas(out.index, out.text, out.finish_reason is not None)
+        deltas, called = self.deltas(out.index, out.text, out.finish_reason is not None, out.finish_reason == 'length')
         last = fmt.chunk(out)           # the chunk it would have been: its head, finish reason and logprobs
         chunks = []
         for delta in deltas:

@@ -36,6 +36,17 @@ def _calls_as_objects(message: dict) -> dict:
     return {'tool_calls': [dict(c, function=dict(c['function'], arguments=parsed(c['function'].get('arguments'))))
                            if isinstance(c, dict) and isinstance(c.get('function'), dict) else c for c in calls]}
 
+def _calls_in_content(message: dict) -> dict:
+    "A message with its `tool_calls` written at the end of its content, in the format `_tools_prompt` teaches."
+    functions = [c['function'] for c in message.get('tool_calls') or []
+                 if isinstance(c, dict) and isinstance(c.get('function'), dict)]
+    if not functions: return message
+    calls = [{'name': f.get('name'), 'arguments': f.get('arguments', {})} for f in functions]
+    tagged = f'<tool_call>{json.dumps(calls, ensure_ascii=False)}</tool_call>'
+    content = message.get('content') or ''
+    rest = {k: v for k, v in message.items() if k != 'tool_calls'}
+    return dict(rest, content=f'{content}\n{tagged}' if content else tagged)
+
 def _tools_prompt(tools: list[dict]) -> str:
     "The system message that offers `tools` to a model whose chat template does not (SmolLM2's call format)."
     functions = '\n'.join(json.dumps(t.get('function', t), ensure_ascii=False) for t in tools)
@@ -53,8 +64,9 @@ class TokenizerWorker:
     "The tokenizer process's logic: prompts to token ids on the way in, tokens to text on the way out."
     def __init__(self, tokenizer, chat_template: str | None = None,
                  debug_hooks: bool = False):          # obey `DebugReq.fail_detokenize` (tests only)
-        from nanoserve.llm import IncrementalDetokenizer   # here, not at the top: the API process never loads torch
+        from nanoserve.llm import ChatTokenizer, IncrementalDetokenizer   # here: the API process never loads torch
         self._detokenizer = IncrementalDetokenizer
+        self.chat_tokenizer = ChatTokenizer(tokenizer)
         self.tokenizer, self.chat_template, self.debug_hooks = tokenizer, chat_template, debug_hooks
         self.detoks: dict[tuple[str, int], Any] = {}   # (rid, choice) -> its IncrementalDetokenizer
         self.params: dict[str, SamplingParams] = {}
@@ -66,20 +78,25 @@ class TokenizerWorker:
         self.max_model_len: int | None = None          # from `ContextLength`; None: prompts are not bounded here
 
     def chat_text(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
-                  continue_final_message: bool = False) -> str:
-        "A conversation as prompt text: the chat template given the tools, with a turn opened or the last message open."
-        if not all(isinstance(m, dict) and isinstance(m.get('role'), str) for m in messages):
-            raise ValueError("messages: each message must be an object with a 'role'")
+                  continue_final_message: bool = False) -> tuple[str, dict[str, str]]:
+        "A conversation as prompt text, the client's special-token texts hidden behind markers (`ChatTokenizer`)."
+        from nanoserve.llm import checked_messages
+        messages = checked_messages(messages)
         conversation = [dict(m, content=_text_content(m.get('content')), **_calls_as_objects(m)) for m in messages]
+        (conversation, tools), hidden = self.chat_tokenizer.hide((conversation, tools))
         def render(conversation, tools=None):
             return self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message,
                                                       chat_template=self.chat_template)
+        if any(m.get('tool_calls') for m in conversation):
+            without_calls = [{k: v for k, v in m.items() if k != 'tool_calls'} for m in conversation]
+            if render(without_calls) == render(conversation):   # the template drops calls: show them as taught
+                conversation = [_calls_in_content(m) for m in conversation]
         text = render(conversation, tools)
         if tools and text == render(conversation):   # the template does not show tools: say them in a system message
             text = render([{'role': 'system', 'content': _tools_prompt(tools)}] + conversation)
-        return text
+        return text, hidden
 
     def too_long(self, text: str) -> str | None:
         "Why `text` cannot fit the context, whatever it tokenizes to; None if it may."
@@ -92,11 +109,14 @@ class TokenizerWorker:
         "Tokenize one request, or say why it cannot be; a text too long for the context is refused untokenized."
         param = 'messages' if msg.messages is not None else 'prompt'
         try:
-            if msg.messages is None: text = msg.prompt
-            else: text = self.chat_text(msg.messages, msg.tools, msg.add_generation_prompt, msg.continue_final_message)
-            if text is not None and (why := self.too_long(text)): return error_from_value(msg.rid, ValueError(why))
+            if msg.messages is None: text, hidden = msg.prompt, {}
+            else: text, hidden = self.chat_text(msg.messages, msg.tools, msg.add_generation_prompt,
+                                                msg.continue_final_message)
+            if text is not None and (why := self.too_long(self.chat_tokenizer.restored(text, hidden))):
+                return error_from_value(msg.rid, ValueError(why))
             if text is None: ids = [int(t) for t in msg.prompt_ids or []]
-            else: ids = self.tokenizer(text, add_special_tokens=msg.messages is None).input_ids
+            elif msg.messages is None: ids = self.tokenizer(text).input_ids
+            else: ids = self.chat_tokenizer.ids(text, hidden)
             sp = SamplingParams(**msg.params)
             if sp.bad_words: sp.tokenize_bad_words(self.tokenizer)
         except Exception as e:   # template errors come as jinja2 or ValueError; all are the request's fault
