@@ -13,3 +13,62 @@ def pytest_collection_modifyitems(config, items):
     if os.environ.get('NANOSERVE_SLOW'): return
     for item in items:
         if 'slow' in item.keywords: item.add_marker(pytest.mark.skip(reason='slow: set NANOSERVE_SLOW=1 to run'))
+
+# -- every response the tests read is strict JSON ---------------------------------------------------------------------
+# The servers' answers are parsed as a strict client parses them: no NaN, no Infinity (json.loads accepts both). The
+# check wraps httpx's body iterators, which every client of the tests reads through (httpx's functions, httpx.Client,
+# the openai SDK): a JSON body once read whole, and each complete `data:` line of an event stream, even one left early.
+import json
+import httpx
+
+STRICT_JSON_VIOLATIONS: list[str] = []
+
+def _refuse_constant(name: str): raise ValueError(f'{name} is not JSON')
+
+def check_strict_json(response: httpx.Response, body: bytes, complete: bool):
+    "Record in STRICT_JSON_VIOLATIONS each JSON body, or complete event of a stream, that a strict parser refuses."
+    kind = response.headers.get('content-type', '')
+    text = body.decode('utf-8', errors='replace')
+    if kind.startswith('application/json'): payloads = [text] if complete and text else []
+    elif kind.startswith('text/event-stream'):
+        lines = text.split('\n') if complete else text.split('\n')[:-1]
+        payloads = [line[5:].strip() for line in lines if line.startswith('data:')]
+        payloads = [p for p in payloads if p != '[DONE]']
+    else: return
+    for payload in payloads:
+        try: json.loads(payload, parse_constant=_refuse_constant)
+        except ValueError as e:
+            request = response._request    # None for a response made by hand (a mock transport)
+            where = f'{request.method} {request.url}' if request is not None else 'a response'
+            STRICT_JSON_VIOLATIONS.append(f'{where}: {e}: {payload[:200]}')
+
+_iter_bytes, _aiter_bytes = httpx.Response.iter_bytes, httpx.Response.aiter_bytes
+
+def _checked_iter_bytes(self, *args, **kwargs):
+    seen, complete = [], False
+    try:
+        for chunk in _iter_bytes(self, *args, **kwargs):
+            seen.append(chunk)
+            yield chunk
+        complete = True
+    finally: check_strict_json(self, b''.join(seen), complete)
+
+async def _checked_aiter_bytes(self, *args, **kwargs):
+    seen, complete = [], False
+    try:
+        async for chunk in _aiter_bytes(self, *args, **kwargs):
+            seen.append(chunk)
+            yield chunk
+        complete = True
+    finally: check_strict_json(self, b''.join(seen), complete)
+
+httpx.Response.iter_bytes, httpx.Response.aiter_bytes = _checked_iter_bytes, _checked_aiter_bytes
+
+@pytest.fixture(autouse=True)
+def strict_json_responses():
+    "Fail the test if a response it (or a fixture before it) read was not strict JSON."
+    start = len(STRICT_JSON_VIOLATIONS)
+    yield
+    found = STRICT_JSON_VIOLATIONS[start:]
+    del STRICT_JSON_VIOLATIONS[start:]
+    assert not found, 'responses that are not strict JSON:\n' + '\n'.join(found)
