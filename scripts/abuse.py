@@ -161,11 +161,30 @@ def run_case(name: str, s: ServerProcess, watch: Watch, headers: dict) -> dict:
         for sock in socks: sock.close()
         return {'normal ok': f'{ok}/8', 'slowest normal s': round(slowest, 2),
                 'idle closed by server': f'{closed}/{count}', 'last closed at s': round(last, 1)}
+    if name == 'deep': return deep_schema(url, headers, s)
     raise ValueError(name)
+
+def deep_schema(url: str, headers: dict, s: ServerProcess) -> dict:
+    "A chat request whose JSON schema nests 300 objects deep: its status, the seconds, the log lines it wrote."
+    schema = {'type': 'string'}
+    for _ in range(300): schema = {'type': 'object', 'properties': {'a': schema}}
+    body = {'model': 'tiny', 'messages': [{'role': 'user', 'content': 'hi'}], 'max_tokens': 4,
+            'response_format': {'type': 'json_schema', 'json_schema': {'name': 'deep', 'schema': schema}}}
+    s.stderr.flush()
+    before = os.path.getsize(s.stderr.name)
+    start = time.monotonic()
+    r = httpx.post(url + '/v1/chat/completions', json=body, headers=headers, timeout=120)
+    seconds = time.monotonic() - start
+    time.sleep(1)                         # the server's log lines for it, written
+    with open(s.stderr.name, 'rb') as f:
+        f.seek(before)
+        lines = f.read().count(b'\n')
+    return {'answer': f'{r.status_code} {r.json()["error"]["message"][:90] if r.status_code != 200 else ""}',
+            'seconds': round(seconds, 3), 'log lines': lines}
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('cases', nargs='*', default=['body20', 'body100', 'ctx10x', 'slow-body', 'idle', 'fd-limit'])
+    p.add_argument('cases', nargs='*', default=['body20', 'body100', 'ctx10x', 'slow-body', 'idle', 'fd-limit', 'deep'])
     p.add_argument('--serve', default='{}', help="run_server's extra arguments, as JSON")
     p.add_argument('--rss-cap-gb', type=float, default=5.0)
     args = p.parse_args()

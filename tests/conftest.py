@@ -16,16 +16,18 @@ def pytest_collection_modifyitems(config, items):
 
 # -- every response the tests read is strict JSON ---------------------------------------------------------------------
 # The servers' answers are parsed as a strict client parses them: no NaN, no Infinity (json.loads accepts both). The
-# check wraps httpx's body iterators, which every client of the tests reads through (httpx's functions, httpx.Client,
-# the openai SDK): a JSON body once read whole, and each complete `data:` line of an event stream, even one left early.
+# check wraps the body iterators of httpx and httpx2, which every client of the tests reads through (httpx's functions,
+# httpx.Client, the openai SDK and starlette's TestClient on httpx2): a JSON body once read whole, and each complete
+# `data:` line of an event stream, even one left early.
 import json
 import httpx
+import httpx2
 
 STRICT_JSON_VIOLATIONS: list[str] = []
 
 def _refuse_constant(name: str): raise ValueError(f'{name} is not JSON')
 
-def check_strict_json(response: httpx.Response, body: bytes, complete: bool):
+def check_strict_json(response, body: bytes, complete: bool):
     "Record in STRICT_JSON_VIOLATIONS each JSON body, or complete event of a stream, that a strict parser refuses."
     kind = response.headers.get('content-type', '')
     text = body.decode('utf-8', errors='replace')
@@ -42,27 +44,28 @@ def check_strict_json(response: httpx.Response, body: bytes, complete: bool):
             where = f'{request.method} {request.url}' if request is not None else 'a response'
             STRICT_JSON_VIOLATIONS.append(f'{where}: {e}: {payload[:200]}')
 
-_iter_bytes, _aiter_bytes = httpx.Response.iter_bytes, httpx.Response.aiter_bytes
+def _check_bodies(response_class):
+    "Wrap `response_class`'s byte iterators so that what they yield is checked once they end."
+    iter_bytes, aiter_bytes = response_class.iter_bytes, response_class.aiter_bytes
+    def checked_iter_bytes(self, *args, **kwargs):
+        seen, complete = [], False
+        try:
+            for chunk in iter_bytes(self, *args, **kwargs):
+                seen.append(chunk)
+                yield chunk
+            complete = True
+        finally: check_strict_json(self, b''.join(seen), complete)
+    async def checked_aiter_bytes(self, *args, **kwargs):
+        seen, complete = [], False
+        try:
+            async for chunk in aiter_bytes(self, *args, **kwargs):
+                seen.append(chunk)
+                yield chunk
+            complete = True
+        finally: check_strict_json(self, b''.join(seen), complete)
+    response_class.iter_bytes, response_class.aiter_bytes = checked_iter_bytes, checked_aiter_bytes
 
-def _checked_iter_bytes(self, *args, **kwargs):
-    seen, complete = [], False
-    try:
-        for chunk in _iter_bytes(self, *args, **kwargs):
-            seen.append(chunk)
-            yield chunk
-        complete = True
-    finally: check_strict_json(self, b''.join(seen), complete)
-
-async def _checked_aiter_bytes(self, *args, **kwargs):
-    seen, complete = [], False
-    try:
-        async for chunk in _aiter_bytes(self, *args, **kwargs):
-            seen.append(chunk)
-            yield chunk
-        complete = True
-    finally: check_strict_json(self, b''.join(seen), complete)
-
-httpx.Response.iter_bytes, httpx.Response.aiter_bytes = _checked_iter_bytes, _checked_aiter_bytes
+for _response_class in (httpx.Response, httpx2.Response): _check_bodies(_response_class)
 
 @pytest.fixture(autouse=True)
 def strict_json_responses():

@@ -1,6 +1,6 @@
 """Every response is strict JSON, every grammar-constrained output finished by `stop` parses and validates, and
 hostile nesting gets a 400 with one log line at most: on a tiny model with random weights, loopback only."""
-import json, math, re, time
+import json, math, random, re
 import httpx
 import pytest
 import torch
@@ -130,3 +130,75 @@ def test_schema_within_the_bound_is_served(server):
     assert r.status_code == 200, r.text[:300]
     choice = r.json()['choices'][0]
     if choice['finish_reason'] == 'stop': jsonschema.validate(json.loads(choice['message']['content']), _nested_schema(20))
+
+# -- item: every JSON output a grammar finishes parses and validates ------------------------------------------------
+# A vocabulary of every ASCII character (the control characters included), a few multi-character pieces and an eos:
+# a random walk through a grammar's matcher over it can try any text a real tokenizer could spell.
+VOCAB = [chr(i) for i in range(128)] + ['é', '€', '\\u0007', '\\"', '\\\\', '{"', '": ', ', "', '"}', 'abc', '"']
+EOS = len(VOCAB)
+UNSAFE = re.compile(r'[\x00-\x1f"\\]')
+PATTERNS = [r'^[a-z]{1,6}$', r'^\d{2,4}-\d{2}$', r'^(yes|no)$', r'^.{0,5}$', r'^[^a]{1,3}$', r'^\w+ \w+$',
+            r'^[ -~]{1,4}$', r'^a\x07b$', r'^\n$', r'^"$']    # the last four can match characters JSON escapes
+
+def _string(draw, enum_words):
+    kind = draw(st.sampled_from(['plain', 'bounded', 'pattern', 'pattern+length', 'enum']))
+    if kind == 'enum': return {'enum': draw(st.lists(enum_words, min_size=1, max_size=3, unique=True))}
+    schema = {'type': 'string'}
+    if kind in ('pattern', 'pattern+length'): schema['pattern'] = draw(st.sampled_from(PATTERNS))
+    if kind in ('bounded', 'pattern+length'):
+        low = draw(st.integers(0, 4))
+        schema.update(draw(st.sampled_from([{'minLength': low}, {'maxLength': low + 3},
+                                            {'minLength': low, 'maxLength': low + draw(st.integers(0, 3))}])))
+    return schema
+
+@st.composite
+def schemas(draw, depth: int = 0):
+    "Random schemas: objects nesting up to three deep, of strings with minLength, maxLength, pattern, enums."
+    enum_words = st.text(st.characters(max_codepoint=0x7f), max_size=4)
+    kinds = ['string', 'string', 'integer', 'array'] + (['object'] if depth < 3 else [])
+    kind = draw(st.sampled_from(kinds))
+    if kind == 'string': return _string(draw, enum_words)
+    if kind == 'integer': return {'type': 'integer', 'minimum': 0, 'maximum': 99}
+    if kind == 'array': return {'type': 'array', 'items': draw(schemas(depth=3)), 'maxItems': 2}
+    names = draw(st.lists(st.sampled_from(['a', 'b', 'c', 'k\x07', 'q"']), min_size=1, max_size=3, unique=True))
+    properties = {name: draw(schemas(depth=depth + 1)) for name in names}
+    return {'type': 'object', 'properties': properties, 'required': names, 'additionalProperties': False}
+
+def _inexact(schema) -> bool:
+    "Whether `schema` holds a combination no grammar can follow exactly: pattern with a length, or an unsafe pattern."
+    if isinstance(schema, list): return any(_inexact(s) for s in schema)
+    if not isinstance(schema, dict): return False
+    if 'pattern' in schema and ({'minLength', 'maxLength'} & set(schema) or schema['pattern'] in PATTERNS[-4:]): return True
+    return any(_inexact(v) for k, v in schema.items() if k != 'enum')
+
+@pytest.fixture(scope='module')
+def char_compiler():
+    info = xgr.TokenizerInfo(VOCAB + ['</s>'], stop_token_ids=[EOS])
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(schema=schemas(), seed=st.integers(0, 2**32 - 1))
+def test_every_finished_json_output_parses_and_validates(char_compiler, schema, seed):
+    "A random walk through the grammar's matcher: any text it finishes is strict JSON that follows the schema."
+    from nanoserve.req import StructuredOutputsParams
+    from nanoserve.structured import build_grammar
+    try: grammar = build_grammar(StructuredOutputsParams(json=schema), 'response_format')
+    except ValueError as e:
+        assert _inexact(schema), (schema, e)         # only what cannot be made exact is refused
+        return
+    assert not _inexact(schema), schema
+    matcher = xgr.GrammarMatcher(char_compiler.compile_grammar(grammar))
+    bitmask = xgr.allocate_token_bitmask(1, len(VOCAB) + 1)
+    closers = [VOCAB.index(piece) for piece in ('"', '}', ']')]
+    walk = random.Random(seed)                      # uniform steps: hypothesis' own randoms favour few tokens
+    text = ''
+    for _ in range(400):
+        matcher.fill_next_token_bitmask(bitmask)
+        allowed = xgr.testing.bitmask_to_bool_mask(bitmask, len(VOCAB) + 1)[0].nonzero()[:, 0].tolist()
+        closing = [t for t in allowed if t in closers or t == EOS]
+        token = walk.choice(closing if closing and walk.random() < 0.3 else allowed)
+        assert matcher.accept_token(token)
+        if token == EOS: break
+        text += VOCAB[token]
+    else: return                                    # not finished in 400 steps: nothing to check
+    jsonschema.validate(_strict(text), schema)

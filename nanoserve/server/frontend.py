@@ -439,10 +439,11 @@ class CrashGuard:
 
     async def __call__(self, scope, receive, send):
         if scope['type'] != 'http': return await self.app(scope, receive, send)
-        started = False
+        started = ended = False
         async def tracked_send(message):
-            nonlocal started
+            nonlocal started, ended
             started = started or message['type'] == 'http.response.start'
+            ended = ended or message['type'] == 'http.response.body' and not message.get('more_body', False)
             await send(message)
         try: await self.app(scope, receive, tracked_send)
         except Exception as e:
@@ -450,7 +451,7 @@ class CrashGuard:
             log(f"{scope['method']} {_route_path(scope)} failed: {type(e).__name__}: {why}", 'error')
             log(traceback.format_exc(), 'debug')
             if not started: return await ApiError(500, f'internal error: {type(e).__name__}').response()(scope, receive, send)
-            await send({'type': 'http.response.body', 'body': b'', 'more_body': False})   # a stream cut short ends
+            if not ended: await send({'type': 'http.response.body', 'body': b'', 'more_body': False})   # cut short
 
 
 # %% ../../nbs/14e_frontend.ipynb #6a743ddf
