@@ -59,7 +59,7 @@ def _pattern_chars(items) -> list:
     return chars
 
 def _check_exact(schema: Any):
-    "`_Inexact` for what xgrammar would not follow exactly: a pattern with a length, one that spells `\"`, `\\`, U+0000-U+001F."
+    "`_Inexact` for what xgrammar does not follow exactly: a pattern beside a length, or spelling JSON's escapes."
     todo = [schema]
     while todo:
         node = todo.pop()
@@ -67,12 +67,14 @@ def _check_exact(schema: Any):
         if not isinstance(node, dict): continue
         pattern = node.get('pattern')
         if isinstance(pattern, str) and ('minLength' in node or 'maxLength' in node):
-            raise _Inexact('a string schema cannot combine pattern with minLength or maxLength: give the length in the pattern')
+            raise _Inexact('a string schema cannot combine pattern with minLength or maxLength: '
+                           'give the length in the pattern')
         if isinstance(pattern, str):
             try: spelled = ''.join(map(chr, _pattern_chars(re._parser.parse(pattern))))
             except (re.error, ValueError, OverflowError): spelled = ''      # xgrammar judges the regex itself
             if _JSON_ESCAPED.search(spelled):
-                raise _Inexact(f'pattern {pattern[:100]!r}: a pattern cannot spell a quote, a backslash or a control character')
+                raise _Inexact(f'pattern {pattern[:100]!r}: a pattern cannot spell a quote, a backslash '
+                               'or a control character')
         todo += [value for key, value in node.items() if key not in _SCHEMA_VALUES]
 
 def _json_grammar(xgr, schema_text: str):

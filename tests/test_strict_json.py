@@ -1,6 +1,6 @@
 """Every response is strict JSON, every grammar-constrained output finished by `stop` parses and validates, and
 hostile nesting gets a 400 with one log line at most: on a tiny model with random weights, loopback only."""
-import json, math, random, re
+import json, math, random
 import httpx
 import pytest
 import torch
@@ -60,7 +60,8 @@ def test_constrained_logprobs_are_json(server):
         events = [line[6:] for line in r.iter_lines() if line.startswith('data: ')]
     assert r.status_code == 200 and events[-1] == '[DONE]'
     for event in events[:-1]: _strict(event)
-    completion = {'model': 'tiny', 'prompt': 'x', 'max_tokens': 4, 'logprobs': 5, 'structured_outputs': {'choice': ['yes', 'no']}}
+    completion = {'model': 'tiny', 'prompt': 'x', 'max_tokens': 4, 'logprobs': 5,
+                  'structured_outputs': {'choice': ['yes', 'no']}}
     r = httpx.post(server.url + '/v1/completions', json=completion, timeout=60)
     assert r.status_code == 200, r.text
     _strict(r.text)
@@ -129,14 +130,14 @@ def test_schema_within_the_bound_is_served(server):
                    json={'model': 'tiny', 'messages': ASK, 'max_tokens': 200, 'response_format': fmt})
     assert r.status_code == 200, r.text[:300]
     choice = r.json()['choices'][0]
-    if choice['finish_reason'] == 'stop': jsonschema.validate(json.loads(choice['message']['content']), _nested_schema(20))
+    if choice['finish_reason'] == 'stop':
+        jsonschema.validate(json.loads(choice['message']['content']), _nested_schema(20))
 
 # -- item: every JSON output a grammar finishes parses and validates ------------------------------------------------
 # A vocabulary of every ASCII character (the control characters included), a few multi-character pieces and an eos:
 # a random walk through a grammar's matcher over it can try any text a real tokenizer could spell.
 VOCAB = [chr(i) for i in range(128)] + ['é', '€', '\\u0007', '\\"', '\\\\', '{"', '": ', ', "', '"}', 'abc', '"']
 EOS = len(VOCAB)
-UNSAFE = re.compile(r'[\x00-\x1f"\\]')
 PATTERNS = [r'^[a-z]{1,6}$', r'^\d{2,4}-\d{2}$', r'^(yes|no)$', r'^.{0,5}$', r'^[^a]{1,3}$', r'^\w+ \w+$',
             r'^[ -~]{1,4}$', r'^a\x07b$', r'^\n$', r'^"$']    # the last four can match characters JSON escapes
 
@@ -168,7 +169,8 @@ def _inexact(schema) -> bool:
     "Whether `schema` holds a combination no grammar can follow exactly: pattern with a length, or an unsafe pattern."
     if isinstance(schema, list): return any(_inexact(s) for s in schema)
     if not isinstance(schema, dict): return False
-    if 'pattern' in schema and ({'minLength', 'maxLength'} & set(schema) or schema['pattern'] in PATTERNS[-4:]): return True
+    if 'pattern' in schema and ({'minLength', 'maxLength'} & set(schema) or schema['pattern'] in PATTERNS[-4:]):
+        return True
     return any(_inexact(v) for k, v in schema.items() if k != 'enum')
 
 @pytest.fixture(scope='module')
@@ -176,7 +178,8 @@ def char_compiler():
     info = xgr.TokenizerInfo(VOCAB + ['</s>'], stop_token_ids=[EOS])
     return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(schema=schemas(), seed=st.integers(0, 2**32 - 1))
 def test_every_finished_json_output_parses_and_validates(char_compiler, schema, seed):
     "A random walk through the grammar's matcher: any text it finishes is strict JSON that follows the schema."

@@ -450,7 +450,8 @@ class CrashGuard:
             why = str(e).splitlines()[0][:200] if str(e) else ''
             log(f"{scope['method']} {_route_path(scope)} failed: {type(e).__name__}: {why}", 'error')
             log(traceback.format_exc(), 'debug')
-            if not started: return await ApiError(500, f'internal error: {type(e).__name__}').response()(scope, receive, send)
+            if not started:
+                return await ApiError(500, f'internal error: {type(e).__name__}').response()(scope, receive, send)
             if not ended: await send({'type': 'http.response.body', 'body': b'', 'more_body': False})   # cut short
 
 

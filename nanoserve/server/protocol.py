@@ -398,7 +398,8 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         return ApiError(400, f"the body is not valid JSON: {errors[0].get('msg', '')}")
     def field_of(error): return next((str(p) for p in error.get('loc', ()) if p != 'body'), None)
     param = field_of(errors[0])
-    messages = list(dict.fromkeys(e.get('msg', 'invalid value') for e in errors if field_of(e) == param))
+    messages = list(dict.fromkeys(e.get('msg', 'invalid value').removeprefix('Value error, ')
+                                  for e in errors if field_of(e) == param))
     return ApiError(400, f"{param + ': ' if param else ''}{'; or '.join(messages)}", param)
 
 def encode_request(req: GenerateReq) -> bytes:
