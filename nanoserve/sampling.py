@@ -12,8 +12,8 @@ from .req import Req
 from .pages import to_device
 
 # %% auto #0
-__all__ = ['token_seed', 'SamplingBatch', 'apply_logit_bias', 'apply_penalties', 'apply_filters', 'TokenLogprobs', 'SampleOutput',
-           'Sampler', 'PromptLogprobs']
+__all__ = ['MASKED_LOGPROB', 'token_seed', 'SamplingBatch', 'apply_logit_bias', 'apply_penalties', 'apply_filters',
+           'TokenLogprobs', 'SampleOutput', 'Sampler', 'PromptLogprobs']
 
 # %% ../nbs/09_sampling.ipynb #342cca27
 _MASK64 = (1 << 64) - 1
@@ -248,11 +248,18 @@ class TokenLogprobs:
     logprob: float
     top: list[tuple[int, float]]
 
+MASKED_LOGPROB = -9999.0    # the logprob of a token sampled from a row masked whole (vLLM's floor): JSON has no -inf
+
 def _host_rows(tokens: torch.Tensor, logprobs: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor,
                nums: list[int]) -> list[TokenLogprobs]:
-    "Copies to the host: per row `i`, its token with its logprob and the `nums[i]` best tokens with theirs."
-    toks, lps, ids, tops = (t.tolist() for t in (tokens, logprobs, top_ids, top_logprobs))
-    return [TokenLogprobs(toks[i], lps[i], list(zip(ids[i][:n], tops[i][:n]))) for i, n in enumerate(nums)]
+    "Copies to the host: per row `i`, its token with its logprob and its `nums[i]` best unmasked tokens with theirs."
+    finite = logprobs.nan_to_num(nan=MASKED_LOGPROB, neginf=MASKED_LOGPROB)
+    toks, lps, ids, tops = (t.tolist() for t in (tokens, finite, top_ids, top_logprobs))
+    rows = []
+    for i, n in enumerate(nums):
+        top = [(token, logprob) for token, logprob in zip(ids[i][:n], tops[i][:n]) if logprob > float('-inf')]
+        rows.append(TokenLogprobs(toks[i], lps[i], top))
+    return rows
 
 @dataclass(eq=False)
 class SampleOutput:

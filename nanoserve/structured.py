@@ -39,16 +39,61 @@ def grammar_key(so: StructuredOutputsParams) -> tuple[str, str]:
     if so.kind == 'json_object': return 'json', '{"type": "object"}'
     return so.kind, getattr(so, so.kind)
 
+_BOUNDED_STRING_CHARS = r'[^\"\\\r\n]'     # xgrammar's class for a character of a length-bounded string...
+_JSON_STRING_CHARS = r'[^\0-\x1f\"\\]'      # ... and the characters a JSON string holds unescaped
+_JSON_ESCAPED = re.compile(r'[\x00-\x1f"\\]')
+_SCHEMA_VALUES = ('enum', 'const', 'default', 'examples')   # keys whose values are data, not schemas
+
+class _Inexact(ValueError): "A schema no grammar here follows exactly."
+
+def _pattern_chars(items) -> list:
+    "The characters a parsed regex can spell one by one (literals and the ends of ranges, positive classes only)."
+    chars = []
+    for op, arg in items:
+        if op == re._constants.LITERAL: chars.append(arg)
+        elif op == re._constants.RANGE: chars += [c for c in range(arg[0], arg[1] + 1) if c < 0x80]
+        elif op == re._constants.IN and (re._constants.NEGATE, None) not in arg: chars += _pattern_chars(arg)
+        elif op == re._constants.SUBPATTERN: chars += _pattern_chars(arg[-1])
+        elif op in (re._constants.MAX_REPEAT, re._constants.MIN_REPEAT): chars += _pattern_chars(arg[-1])
+        elif op == re._constants.BRANCH: chars += [c for branch in arg[1] for c in _pattern_chars(branch)]
+    return chars
+
+def _check_exact(schema: Any):
+    "`_Inexact` for what xgrammar does not follow exactly: a pattern beside a length, or spelling JSON's escapes."
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, list): todo += node
+        if not isinstance(node, dict): continue
+        pattern = node.get('pattern')
+        if isinstance(pattern, str) and ('minLength' in node or 'maxLength' in node):
+            raise _Inexact('a string schema cannot combine pattern with minLength or maxLength: '
+                           'give the length in the pattern')
+        if isinstance(pattern, str):
+            try: spelled = ''.join(map(chr, _pattern_chars(re._parser.parse(pattern))))
+            except (re.error, ValueError, OverflowError): spelled = ''      # xgrammar judges the regex itself
+            if _JSON_ESCAPED.search(spelled):
+                raise _Inexact(f'pattern {pattern[:100]!r}: a pattern cannot spell a quote, a backslash '
+                               'or a control character')
+        todo += [value for key, value in node.items() if key not in _SCHEMA_VALUES]
+
+def _json_grammar(xgr, schema_text: str):
+    "xgrammar's grammar for a JSON schema, its length-bounded strings kept to characters JSON allows unescaped."
+    _check_exact(json.loads(schema_text))
+    ebnf = str(xgr.Grammar.from_json_schema(schema_text, any_whitespace=False))
+    return xgr.Grammar.from_ebnf(ebnf.replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS))
+
 def build_grammar(so: StructuredOutputsParams,
                   param: str = 'structured_outputs'):   # the request's name for the field, for the error
     "xgrammar's `Grammar` for `so`; `ValueError` naming `param` if the schema, regex or grammar is invalid."
     xgr = _xgrammar()
     kind, text = grammar_key(so)
     try:
-        if kind == 'json': return xgr.Grammar.from_json_schema(text, any_whitespace=False)
+        if kind == 'json': return _json_grammar(xgr, text)
         if kind == 'regex': return xgr.Grammar.from_regex(text)
         if kind == 'choice': return xgr.Grammar.from_ebnf('root ::= ' + ' | '.join(json.dumps(c) for c in so.choice))
         return xgr.Grammar.from_ebnf(text)
+    except _Inexact as e: raise ValueError(f'{param}: {e}') from None
     except Exception as e:   # xgrammar raises RuntimeError (and its own errors for bad JSON)
         what = {'json': 'JSON schema', 'regex': 'regex', 'choice': 'choice', 'grammar': 'grammar'}[kind]
         raise ValueError(f'{param}: invalid {what}: {_library_message(e)}') from None

@@ -14,7 +14,8 @@ normal requests), huge-name (a model name of 1 MiB), two-keys (two Authorization
 server with a key), storm (200 streams left unread for 2 s, then
 reset, three times: the RSS of all the server's processes before and after each), forge (chats whose content, tool
 results, tool-call arguments and role hold the tiny tokenizer's special-token text `<s>` / `</s>`: the status of each,
-and whether the prompt's control tokens are the template's own, counted from the ids that `prompt_logprobs` returns).
+and whether the prompt's control tokens are the template's own, counted from the ids that `prompt_logprobs` returns),
+deep (a chat whose JSON schema nests 300 objects deep: its status, seconds and the log lines it wrote).
 With `--data-parallel-size N` the server is `nanoserve serve --data-parallel-size N` (chapter 17) and the RSS is that
 of its whole process tree (Ray's processes, the replicas and their workers). A server whose processes grow past
 `--rss-cap-gb` together is killed (the case then reads 'killed'): the machine is shared.
@@ -212,6 +213,7 @@ def run_case(name: str, s: ServerProcess, watch: Watch, headers: dict) -> dict:
                 'idle closed by server': f'{closed}/{count}', 'last closed at s': round(last, 1)}
     if name == 'forge': return forge(s, headers)
     if name in LIMIT_CASES: return LIMIT_CASES[name](url, headers)
+    if name == 'deep': return deep_schema(url, headers, s)
     raise ValueError(name)
 
 def bad_words_case(url: str, headers: dict) -> dict:
@@ -281,10 +283,28 @@ def forge(s: ServerProcess, headers: dict) -> dict:
                         "template's own": sum(i in special for i in own)}
     return result
 
+def deep_schema(url: str, headers: dict, s: ServerProcess) -> dict:
+    "A chat request whose JSON schema nests 300 objects deep: its status, the seconds, the log lines it wrote."
+    schema = {'type': 'string'}
+    for _ in range(300): schema = {'type': 'object', 'properties': {'a': schema}}
+    body = {'model': 'tiny', 'messages': [{'role': 'user', 'content': 'hi'}], 'max_tokens': 4,
+            'response_format': {'type': 'json_schema', 'json_schema': {'name': 'deep', 'schema': schema}}}
+    s.stderr.flush()
+    before = os.path.getsize(s.stderr.name)
+    start = time.monotonic()
+    r = httpx.post(url + '/v1/chat/completions', json=body, headers=headers, timeout=120)
+    seconds = time.monotonic() - start
+    time.sleep(1)                         # the server's log lines for it, written
+    with open(s.stderr.name, 'rb') as f:
+        f.seek(before)
+        lines = f.read().count(b'\n')
+    return {'answer': f'{r.status_code} {r.json()["error"]["message"][:90] if r.status_code != 200 else ""}',
+            'seconds': round(seconds, 3), 'log lines': lines}
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('cases', nargs='*', default=['body20', 'body100', 'ctx10x', 'slow-body', 'idle', 'fd-limit',
-                                                *LIMIT_CASES, 'forge'])
+                                                *LIMIT_CASES, 'forge', 'deep'])
     p.add_argument('--serve', default='{}', help="run_server's extra arguments, as JSON")
     p.add_argument('--rss-cap-gb', type=float, default=5.0)
     p.add_argument('--data-parallel-size', type=int, default=None,

@@ -4,7 +4,7 @@
 
 # %% ../../nbs/14e_frontend.ipynb #f6e0a004
 from __future__ import annotations
-import asyncio, gc, hashlib, hmac, time, uuid
+import asyncio, gc, hashlib, hmac, time, traceback, uuid
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
@@ -25,7 +25,7 @@ if TYPE_CHECKING: from nanoserve.server.launch import Workers
 
 # %% auto #0
 __all__ = ['MAX_REQUEST_BYTES', 'OPEN_PATHS', 'COLLECT_AFTER_BYTES', 'ServerMetrics', 'ClientDisconnected', 'unless_disconnected',
-           'Generation', 'Frontend', 'RequestGuard', 'build_app']
+           'Generation', 'Frontend', 'RequestGuard', 'CrashGuard', 'build_app']
 
 # %% ../../nbs/14e_frontend.ipynb #e8b7e8f6
 def _kv_cache_usage(counters: dict) -> float:
@@ -435,6 +435,29 @@ class _BoundedBody:
         self.done = message['type'] != 'http.request' or not message.get('more_body', False)
         return message
 
+# %% ../../nbs/14e_frontend.ipynb #4c978b0b
+class CrashGuard:
+    "ASGI middleware: a request that fails inside the app gets a 500 and one line in the log (the traceback at debug)."
+    def __init__(self, app): self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope['type'] != 'http': return await self.app(scope, receive, send)
+        started = ended = False
+        async def tracked_send(message):
+            nonlocal started, ended
+            started = started or message['type'] == 'http.response.start'
+            ended = ended or message['type'] == 'http.response.body' and not message.get('more_body', False)
+            await send(message)
+        try: await self.app(scope, receive, tracked_send)
+        except Exception as e:
+            why = str(e).splitlines()[0][:200] if str(e) else ''
+            log(f"{scope['method']} {_route_path(scope)} failed: {type(e).__name__}: {why}", 'error')
+            log(traceback.format_exc(), 'debug')
+            if not started:
+                return await ApiError(500, f'internal error: {type(e).__name__}').response()(scope, receive, send)
+            if not ended: await send({'type': 'http.response.body', 'body': b'', 'more_body': False})   # cut short
+
+
 # %% ../../nbs/14e_frontend.ipynb #6a743ddf
 class _EventStream(StreamingResponse):
     "An SSE response that runs `on_close` however it ends (finished, failed, or the client went away)."
@@ -473,6 +496,7 @@ def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_byte
     "The app behind its `RequestGuard`: OpenAI's routes, `/health`, `/metrics`, `/debug/state` (and `/debug/inject`)."
     app = FastAPI(title='nanoserve', lifespan=frontend.lifespan)
     app.add_middleware(RequestGuard, api_keys=api_keys, max_request_bytes=max_request_bytes, body_timeout=body_timeout)
+    app.add_middleware(CrashGuard)     # the outermost: whatever fails inside is one line in the log
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError): return exc.response()
@@ -485,9 +509,6 @@ def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_byte
         response = ApiError(exc.status_code, str(exc.detail)).response()
         response.headers.update(exc.headers or {})
         return response
-
-    @app.exception_handler(Exception)
-    async def _crash(request, exc): return ApiError(500, f'internal error: {type(exc).__name__}').response()
 
     @app.get('/health')
     async def health():

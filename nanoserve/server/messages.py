@@ -166,8 +166,8 @@ def return_freed_memory(threshold: int = 128 * 1024):
     except (OSError, AttributeError): return      # not glibc: its allocator keeps its own policy
     mallopt(_M_MMAP_THRESHOLD, threshold)
 
-LOG_LEVELS = ('info', 'warning', 'error')
-LOG_LEVEL_ENV = 'NANOSERVE_LOG_LEVEL'     # the least level printed: 'info' (the default), 'warning' or 'error'
+LOG_LEVELS = ('debug', 'info', 'warning', 'error')
+LOG_LEVEL_ENV = 'NANOSERVE_LOG_LEVEL'     # the least level printed: 'debug', 'info' (the default), 'warning', 'error'
 
 def log(msg: str, level: str = 'info'):
     "One line for the operator, on stderr, unless `level` is below the `NANOSERVE_LOG_LEVEL` of this process."

@@ -14,11 +14,12 @@ from ..req import MAX_QUOTED, SamplingParams, StructuredOutputsParams, quoted
 from .messages import ErrorOut, GenerateReq, TextOut, encode
 
 # %% auto #0
-__all__ = ['CONTEXT_ERROR', 'IGNORED_FIELDS', 'REFUSED_FIELDS', 'MAX_N', 'MAX_PROMPTS', 'MAX_STOP', 'MAX_STOP_CHARS',
-           'MAX_LOGIT_BIAS', 'MAX_ALLOWED_TOKEN_IDS', 'MAX_GRAMMAR_CHARS', 'MAX_TOOLS', 'MAX_TOOL_CALLS', 'SSE_DONE',
-           'ApiError', 'error_from_value', 'StreamOptions', 'CompletionRequest', 'ChatCompletionRequest',
-           'sampling_params_from', 'structured_outputs_from', 'ToolCalling', 'ToolCallStream', 'validation_error',
-           'encode_request', 'sse', 'Choice', 'ResponseFormat', 'usage_dict']
+__all__ = ['CONTEXT_ERROR', 'MAX_JSON_DEPTH', 'MAX_BODY_DEPTH', 'IGNORED_FIELDS', 'REFUSED_FIELDS', 'MAX_N', 'MAX_PROMPTS',
+           'MAX_STOP', 'MAX_STOP_CHARS', 'MAX_LOGIT_BIAS', 'MAX_ALLOWED_TOKEN_IDS', 'MAX_GRAMMAR_CHARS', 'MAX_TOOLS',
+           'MAX_TOOL_CALLS', 'SSE_DONE', 'ApiError', 'error_from_value', 'json_depth', 'StreamOptions',
+           'CompletionRequest', 'ChatCompletionRequest', 'sampling_params_from', 'structured_outputs_from',
+           'ToolCalling', 'ToolCallStream', 'validation_error', 'encode_request', 'sse', 'Choice', 'ResponseFormat',
+           'usage_dict']
 
 # %% ../../nbs/14b_protocol.ipynb #9a9747ae
 class ApiError(Exception):
@@ -45,6 +46,28 @@ def error_from_value(rid: str, e: ValueError) -> ErrorOut:
     if CONTEXT_ERROR in message: return ErrorOut(rid, message, 400, 'messages', 'context_length_exceeded')
     word = message.split(' ', 1)[0].rstrip(':')
     return ErrorOut(rid, message, 400, word if word in _REQUEST_PARAMS else None)
+
+# %% ../../nbs/14b_protocol.ipynb #cc2ffd8d
+MAX_JSON_DEPTH = 64                   # levels of objects and arrays in a JSON schema (a grammar's, a tool's parameters)
+MAX_BODY_DEPTH = 2 * MAX_JSON_DEPTH   # in a whole body, whose schemas sit a few levels down
+
+def json_depth(value: Any) -> int:
+    "How many levels of lists and dicts `value` nests (a scalar: 0), level by level: no recursion to exhaust."
+    depth, level = 0, [value]
+    while True:
+        level = [v for v in level if isinstance(v, (dict, list))]
+        if not level: return depth
+        depth += 1
+        level = [child for v in level for child in (v.values() if isinstance(v, dict) else v)]
+
+class _BoundedNesting(BaseModel):
+    "A body whose nesting is bounded before pydantic, or any code after it, walks it recursively."
+    @model_validator(mode='before')
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        if json_depth(data) > MAX_BODY_DEPTH: raise ValueError(f'the body nests deeper than {MAX_BODY_DEPTH} levels')
+        return data
+
 
 # %% ../../nbs/14b_protocol.ipynb #db0a7ce8
 class StreamOptions(BaseModel):
@@ -75,7 +98,7 @@ REFUSED_FIELDS = {   # OpenAI's request fields this server does not implement: a
     'function_call': 'the older form of tool_choice: send tool_choice',
 }
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(_BoundedNesting):
     "Fields shared by completions and chat."
     model_config = ConfigDict(extra='allow')   # kept, to refuse by name (`_refuse_unsupported`)
 
@@ -244,6 +267,15 @@ def _grammar_chars(so: StructuredOutputsParams) -> int:
     if isinstance(value, dict): return len(json.dumps(value))
     return len(value) if isinstance(value, str) else 0      # json_object: no text
 
+def _check_schema_depth(schema: Any):
+    "`ValueError` if `schema` (a JSON schema, or its text) nests deeper than `MAX_JSON_DEPTH`."
+    too_deep = ValueError(f'the JSON schema nests deeper than {MAX_JSON_DEPTH} levels')
+    if isinstance(schema, str):
+        try: schema = json.loads(schema)
+        except RecursionError: raise too_deep from None    # nested past Python's stack
+        except ValueError: return                          # not JSON: building the grammar says so
+    if json_depth(schema) > MAX_JSON_DEPTH: raise too_deep
+
 def structured_outputs_from(body: CompletionRequest | ChatCompletionRequest,
                            ) -> tuple[StructuredOutputsParams | None, str | None]:
     "The grammar the request asks for, and the field it came from; `ApiError` 400 naming the field if it is malformed."
@@ -255,6 +287,7 @@ def structured_outputs_from(body: CompletionRequest | ChatCompletionRequest,
         if name == 'response_format': grammar_fields = _response_format(value)
         elif name == 'structured_outputs': grammar_fields = dict(value)
         else: grammar_fields = {_GUIDED[name]: value}
+        _check_schema_depth((grammar_fields or {}).get('json'))
         structured = StructuredOutputsParams(**grammar_fields) if grammar_fields is not None else None
     except TypeError:       # a key that is none of the kinds
         kinds = ', '.join(f.name for f in fields(StructuredOutputsParams))
@@ -328,6 +361,8 @@ class ToolCalling:
             parameters = function.get('parameters', {'type': 'object'})
             if not isinstance(parameters, dict):
                 raise ApiError(400, 'tools: parameters must be a JSON schema object', 'tools')
+            if json_depth(parameters) > MAX_JSON_DEPTH:
+                raise ApiError(400, f'tools: parameters nest deeper than {MAX_JSON_DEPTH} levels', 'tools')
             self.schemas[function['name']] = parameters
         return tools
 
@@ -441,7 +476,8 @@ def validation_error(exc: RequestValidationError) -> ApiError:
         return ApiError(400, f"the body is not valid JSON: {errors[0].get('msg', '')}")
     def field_of(error): return next((str(p) for p in error.get('loc', ()) if p != 'body'), None)
     param = field_of(errors[0])
-    messages = list(dict.fromkeys(e.get('msg', 'invalid value') for e in errors if field_of(e) == param))
+    messages = list(dict.fromkeys(e.get('msg', 'invalid value').removeprefix('Value error, ')
+                                  for e in errors if field_of(e) == param))
     return ApiError(400, f"{param + ': ' if param else ''}{'; or '.join(messages)}", param)
 
 def encode_request(req: GenerateReq) -> bytes:
@@ -457,8 +493,8 @@ def encode_request(req: GenerateReq) -> bytes:
 
 # %% ../../nbs/14b_protocol.ipynb #f129d670
 def sse(data: dict | str) -> str:
-    "One server-sent event."
-    return f'data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n'
+    "One server-sent event; `ValueError` for NaN or Infinity, which JSON cannot carry (as starlette's `JSONResponse`)."
+    return f'data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, allow_nan=False)}\n\n'
 
 SSE_DONE = sse('[DONE]')
 
