@@ -16,15 +16,17 @@ from .config import default_cache_dir
 from .references import rms_norm_ref, rope_ref, silu_and_mul_ref
 
 # %% auto #0
-__all__ = ['C_SOURCE', 'ARG_STRUCTS', 'C_ENTRY_POINTS', 'CPU_KERNELS_ENV', 'CFLAGS', 'CACHE_KEEP', 'log', 'MAX_BLOCK', 'Blocks',
-           'PANEL', 'LAYER_PTRS', 'CArgs', 'c_args', 'PagedAttentionArgs', 'RmsNormArgs', 'RopeArgs', 'SiluAndMulArgs',
-           'LinearArgs', 'DecodeLayersArgs', 'library_source', 'kernel_cache_dir', 'library_key', 'compile_library',
-           'CpuLibrary', 'cpu_kernels', 'supports', 'single_blocks', 'PagedAttention', 'paged_attention',
-           'shared_prefix_blocks', 'extend_blocks', 'rms_norm_cpu', 'rope_cpu', 'silu_and_mul_cpu', 'Panels',
-           'pack_panels', 'linear_cpu', 'LayerWeights', 'DecoderWeights', 'pack_decoder', 'decode_layers_cpu']
+__all__ = ['C_VECTORS', 'C_SCORES_VALUES', 'C_ATTEND_BLOCK', 'C_PAGED_ATTENTION', 'C_RMS_NORM', 'C_ROPE', 'C_SILU_AND_MUL',
+           'C_GEMM_TILE', 'C_LINEAR', 'C_DECODE_LAYERS', 'C_SOURCE', 'ARG_STRUCTS', 'C_ENTRY_POINTS', 'CPU_KERNELS_ENV',
+           'CFLAGS', 'CACHE_KEEP', 'log', 'MAX_BLOCK', 'Blocks', 'PANEL', 'LAYER_PTRS', 'CArgs', 'c_args',
+           'PagedAttentionArgs', 'RmsNormArgs', 'RopeArgs', 'SiluAndMulArgs', 'LinearArgs', 'DecodeLayersArgs',
+           'library_source', 'kernel_cache_dir', 'library_key', 'compile_library', 'CpuLibrary', 'cpu_kernels',
+           'supports', 'single_blocks', 'PagedAttention', 'paged_attention', 'shared_prefix_blocks', 'extend_blocks',
+           'rms_norm_cpu', 'rope_cpu', 'silu_and_mul_cpu', 'Panels', 'pack_panels', 'linear_cpu', 'LayerWeights',
+           'DecoderWeights', 'pack_decoder', 'decode_layers_cpu']
 
-# %% ../nbs/90_cpu_kernels.ipynb #07426327
-C_SOURCE = r'''
+# %% ../nbs/90_cpu_kernels.ipynb #6713863d
+C_VECTORS = r'''
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -67,7 +69,10 @@ INLINE void sum4(v8 c0, v8 c1, v8 c2, v8 c3, float *out) {
     out[0] = b[0] + b[4]; out[1] = b[1] + b[5]; out[2] = b[2] + b[6]; out[3] = b[3] + b[7];
 }
 
-#define AHEAD 4   /* keys prefetched ahead: the memory of a few keys in flight while the current ones are multiplied */
+'''
+
+# %% ../nbs/90_cpu_kernels.ipynb #a8f95dcd
+C_SCORES_VALUES = r'''#define AHEAD 4   /* keys prefetched ahead: the memory of a few keys in flight while the current ones are multiplied */
 
 /* Prefetch key (or value) idx of a run of n at kp (stride row), continuing into the next run at next (or nothing) */
 INLINE void prefetch_key(const float *kp, int idx, int n, const float *next, const int D, int row) {
@@ -138,7 +143,10 @@ INLINE void softmax(float *s, int len, int ls, int G) {
     }
 }
 
-#define BY_HB(hb, call, ...) do { if ((hb) == 3) call(__VA_ARGS__, 3, D, row); else if ((hb) == 2) call(__VA_ARGS__, 2, D, row); \
+'''
+
+# %% ../nbs/90_cpu_kernels.ipynb #c9eaad1c
+C_ATTEND_BLOCK = r'''#define BY_HB(hb, call, ...) do { if ((hb) == 3) call(__VA_ARGS__, 3, D, row); else if ((hb) == 2) call(__VA_ARGS__, 2, D, row); \
                                   else call(__VA_ARGS__, 1, D, row); } while (0)
 
 /* The first slot of the run at position t of a row, if t < end: its page holds ps slots, so prefetching up to
@@ -183,7 +191,10 @@ INLINE void attend_block(const float *q, int64_t q_stride, const float *k, const
         }
 }
 
-#define MAX_BLOCK 16
+'''
+
+# %% ../nbs/90_cpu_kernels.ipynb #cb4a2f84
+C_PAGED_ATTENTION = r'''#define MAX_BLOCK 16
 
 /* out[i] = attention of query row i (q + i * q_stride, [H, D]) over positions [0, lens[i]) of page-table row rows[i].
    The rows are taken in blocks: block b is rows order[starts[b] .. starts[b + 1]), at most 16, which share the slots of
@@ -260,7 +271,10 @@ int paged_attention_f32(const float *q, int64_t q_stride, float *k, float *v, co
     return 0;
 }
 
-/* ---- the small ops of a decoder layer, one pass each ---- */
+'''
+
+# %% ../nbs/90_cpu_kernels.ipynb #5bf8915a
+C_RMS_NORM = r'''/* ---- the small ops of a decoder layer, one pass each ---- */
 
 INLINE v8 vmin(v8 a, v8 b) { v8i m = a < b; return (v8)((m & (v8i)a) | (~m & (v8i)b)); }
 
@@ -282,7 +296,10 @@ void rms_norm_f32(const float *x, int64_t sx, const float *residual, int64_t sr,
     }
 }
 
-/* rotate q [T, hq, D] and k [T, hk, D] (rows sq, sk apart, heads D apart) in place by the cos | sin row of each
+'''
+
+# %% ../nbs/90_cpu_kernels.ipynb #bbeda3ec
+C_ROPE = r'''/* rotate q [T, hq, D] and k [T, hk, D] (rows sq, sk apart, heads D apart) in place by the cos | sin row of each
    token's position */
 void rope_f32(float *q, int64_t sq, int hq, float *k, int64_t sk, int hk, int64_t T, int D, const int64_t *positions,
               const float *cos_sin, int64_t scs, int threads) {
@@ -300,7 +317,10 @@ void rope_f32(float *q, int64_t sq, int hq, float *k, int64_t sk, int hk, int64_
     }
 }
 
-/* out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I] (rows sx apart), I % 8 == 0 */
+'''
+
+# %% ../nbs/90_cpu_kernels.ipynb #ba0e3196
+C_SILU_AND_MUL = r'''/* out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I] (rows sx apart), I % 8 == 0 */
 void silu_and_mul_f32(const float *x, int64_t sx, float *out, int64_t T, int I, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static) if (T * I >= 32768)
     for (int64_t t = 0; t < T; t++) {
@@ -313,7 +333,10 @@ void silu_and_mul_f32(const float *x, int64_t sx, float *out, int64_t T, int I, 
     }
 }
 
-/* ---- linear layers: y = x w^T (+ bias), w packed in panels ---- */
+'''
+
+# %% ../nbs/90_cpu_kernels.ipynb #062f83bf
+C_GEMM_TILE = r'''/* ---- linear layers: y = x w^T (+ bias), w packed in panels ---- */
 
 #define NR 24          /* output columns per panel: a tile is 4 rows x 24 columns, 12 of the 16 vector registers */
 #define MC 128         /* rows per chunk: a thread walks its panels once per chunk, the chunk's rows staying in cache */
@@ -352,7 +375,10 @@ INLINE void gemm_tile(const float *x, int64_t sx, const float *w, const float *b
     }
 }
 
-/* y [M, N] (rows sy apart) = x [M, K] (rows sx apart) w^T (+ bias [N]), w [N, K] packed as [ceil(N / NR)][K][NR], zero-padded.
+'''
+
+# %% ../nbs/90_cpu_kernels.ipynb #b0102f05
+C_LINEAR = r'''/* y [M, N] (rows sy apart) = x [M, K] (rows sx apart) w^T (+ bias [N]), w [N, K] packed as [ceil(N / NR)][K][NR], zero-padded.
    With panels for every thread, each takes a contiguous range of them for all rows; otherwise chunks of rows. */
 void linear_f32(const float *x, int64_t sx, const float *w, const float *bias, float *y, int64_t sy,
                 int64_t M, int N, int K, int threads) {
@@ -389,7 +415,10 @@ void linear_f32(const float *x, int64_t sx, const float *w, const float *bias, f
     }
 }
 
-/* ---- a decode step's decoder layers in one call ---- */
+'''
+
+# %% ../nbs/90_cpu_kernels.ipynb #b55cb501
+C_DECODE_LAYERS = r'''/* ---- a decode step's decoder layers in one call ---- */
 
 /* The addresses decode_layers_f32 reads for each layer (w + l * LAYER_PTRS): the two RMSNorm weights, the packed
    weights (panels) of the four linear layers and their biases (0 for none) */
@@ -431,6 +460,10 @@ int decode_layers_f32(int64_t T, int L, int C, int H, int KVH, int D, int I, flo
     return 0;
 }
 '''
+
+# %% ../nbs/90_cpu_kernels.ipynb #7cc36b96
+C_SOURCE = (C_VECTORS + C_SCORES_VALUES + C_ATTEND_BLOCK + C_PAGED_ATTENTION      # each part uses only the parts before it
+            + C_RMS_NORM + C_ROPE + C_SILU_AND_MUL + C_GEMM_TILE + C_LINEAR + C_DECODE_LAYERS)
 
 # %% ../nbs/90_cpu_kernels.ipynb #c2d3e4f5
 _C_SCALARS = {'int': ctypes.c_int, 'int64_t': ctypes.c_int64, 'float': ctypes.c_float}
@@ -697,7 +730,7 @@ def cpu_kernels() -> CpuLibrary | None:
         log.warning('%s; the engine runs on torch ops on this CPU', e)
         return None
 
-# %% ../nbs/90_cpu_kernels.ipynb #28795565
+# %% ../nbs/90_cpu_kernels.ipynb #761a0476
 def supports(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
     "Whether the C kernel takes these: fp32 on a CPU, `head_dim` a multiple of 8, query heads a multiple of KV heads."
     return (q.device.type == k_pool.device.type == 'cpu' and q.dtype == k_pool.dtype == torch.float32 and q.dim() == 3
@@ -731,6 +764,7 @@ def _check_new_tokens(k_new: torch.Tensor, v_new: torch.Tensor, new_slots: torch
     if new_slots.dtype != torch.int64 or new_slots.dim() != 1 or not new_slots.is_contiguous() or not new_slots.is_cpu:
         raise ValueError('paged_attention: new_slots must be a contiguous int64 CPU tensor')
 
+# %% ../nbs/90_cpu_kernels.ipynb #8ff509ed
 class PagedAttention:
     "The C kernel's attention for one batch: page table, rows, lengths and blocks checked once; `run` once per layer."
     def __init__(self,
@@ -839,6 +873,7 @@ class PagedAttention:
         if err == -7: raise ValueError('rotary embedding: every position must be a row of the rotary table')
         raise MemoryError('paged_attention: out of memory')
 
+# %% ../nbs/90_cpu_kernels.ipynb #75e850f8
 def paged_attention(q: torch.Tensor,           # [N, H, D] fp32: one query row each (a row-strided view is fine)
                     k_pool: torch.Tensor,      # [num_slots, KVH, D] fp32, contiguous: one layer's keys
                     v_pool: torch.Tensor,      # same: its values
