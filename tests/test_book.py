@@ -29,13 +29,13 @@ CHAPTER_REF = re.compile(r'\b[Cc]hapters? ((?:\d\d?[a-z]?)(?:(?:,? and |, | or |
 APPENDIX_REF = re.compile(r'\b[Aa]ppendi(?:x|ces) ((?:[A-Z]|\d\d)(?:(?:,? and |, | or )(?:[A-Z]|\d\d))*)\b')
 
 def references(text: str) -> list[str]:
-    "Every chapter and appendix a text cites: 'chapter 06a', 'chapters 5 and 11', 'appendix B', as '06a', '05', '11', 'B'."
+    "The chapters and appendices a text cites: 'chapter 06a', 'chapters 5 and 11', 'appendix B' as 06a, 05, 11, B."
     refs = [n.zfill(2) if n[-1].isdigit() else n.zfill(3) for m in CHAPTER_REF.finditer(text)
             for n in re.findall(r'\d\d?[a-z]?', m.group(1))]
     return refs + [x for m in APPENDIX_REF.finditer(text) for x in re.findall(r'[A-Z]|\d\d', m.group(1))]
 
 def test_references_parse():
-    text = 'chapter 06a; chapters 5 and 11; Chapter 14z, appendix B; appendices A and B; chapters 14a-14f; a chapter on x'
+    text = 'chapter 06a; chapters 5 and 11; Chapter 14z, appendix B; appendices A and B; chapters 14a-14f; a chapter'
     assert references(text) == ['06a', '05', '11', '14z', '14a', '14f', 'B', 'A', 'B']
 
 def test_every_reference_names_a_chapter():
@@ -69,8 +69,9 @@ def long_exported_cells() -> list[str]:
     return [f'{p.name} cell {i}: {len(source(c).splitlines())} lines' for p in NOTEBOOKS for i, c in enumerate(cells(p))
             if exported(c) and len(source(c).splitlines()) > MAX_EXPORTED_LINES]
 
-@pytest.mark.xfail(strict=False, reason='cells still over 150 lines, being split: 05_scheduler (Scheduler), '
-                   '14c_tokenizer, 14e_frontend (Frontend), 90_cpu_kernels (C source)')
+@pytest.mark.xfail(strict=False, reason='exported cells still over 150 lines, being split: '
+                   '05_scheduler (Scheduler, 303), 09_sampling (151), 14c_tokenizer (170), '
+                   '14e_frontend (Frontend 255, and 160), 90_cpu_kernels (C source 408, and 187)')
 def test_no_exported_cell_over_150_lines():
     long = long_exported_cells()
     assert not long, f'exported cells over {MAX_EXPORTED_LINES} lines:\n' + '\n'.join(long)
@@ -82,7 +83,8 @@ def test_package_is_pyflakes_clean():
 
 @pytest.mark.parametrize('flag', ['--help', '--version'])
 def test_top_level_flags_do_not_import_torch(flag):
-    probe = (f'import sys\nfrom nanoserve.cli import main\ntry: main([{flag!r}])\nexcept SystemExit as e: code = e.code\n'
+    probe = (f'import sys\nfrom nanoserve.cli import main\n'
+             f'try: main([{flag!r}])\nexcept SystemExit as e: code = e.code\n'
              'print("exit", code, "torch" in sys.modules, "transformers" in sys.modules)')
     r = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr
