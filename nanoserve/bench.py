@@ -115,7 +115,8 @@ def _timed(device: torch.device, fn, *args, **kwargs) -> tuple:
 def greedy_config(model, max_new_tokens: int, pad_id: int = 0):
     "The model's generation config, copied, for greedy decoding without eos: every row runs `max_new_tokens` steps."
     config = copy.deepcopy(model.generation_config)
-    config.update(do_sample=False, eos_token_id=None, pad_token_id=pad_id, max_new_tokens=max_new_tokens,
+    # no eos: `generate` fills an eos_token_id of None from the model's generation config, an empty list it keeps
+    config.update(do_sample=False, eos_token_id=[], pad_token_id=pad_id, max_new_tokens=max_new_tokens,
                   min_new_tokens=None, temperature=None, top_p=None, top_k=None)
     return config
 
@@ -207,6 +208,13 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
     def line(r): return '  '.join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
     return '\n'.join([line(header), line(['-' * w for w in widths])] + [line(r) for r in cells])
 
+def _significant(x: float) -> str:
+    "`x` with two significant digits when it is under 10 (0.27, 3.1), else rounded to a whole number (61, 1,200)."
+    return f'{x:.2g}' if abs(x) < 10 else f'{x:,.0f}'
+
+def _percent(fraction: float) -> str:
+    return _significant(100 * fraction) + '%'
+
 def _compare_table(res: dict) -> str:
     runs = [r for r in (res['nanoserve'], res['transformers']) if r is not None]
     rows = [(r['engine'], res['requests'], r['output_tokens'], r['seconds'], r['tokens_per_s']) for r in runs]
@@ -214,18 +222,18 @@ def _compare_table(res: dict) -> str:
     if res.get('ratio') is not None:
         out += (f"\nnanoserve / transformers: x{res['ratio']:.2f} (side by side, one run); greedy outputs identical: "
                 f"{res['same_outputs']} of {res['requests']} (first tokens: {res['same_first_tokens']})")
-    return out + (f"\nnanoserve used {100 * res['compute_fraction']:.0f}% of the measured compute ceiling "
+    return out + (f"\nnanoserve used {_percent(res['compute_fraction'])} of the measured compute ceiling "
                   f"({res['matmul_flops'] / 1e9:.0f} GFLOP/s fp32 matmul; the prompt tokens it computed and the "
                   f"output tokens at 2 x params FLOPs each)")
 
 def _sweep_table(res: dict) -> str:
     rows = [(r['batch_size'], r['nanoserve'], r.get('transformers'),
              r['nanoserve'] / r['transformers'] if r.get('transformers') else None,
-             f"{100 * r['ceiling_fraction']:.0f}%") for r in res['rows']]
+             _percent(r['ceiling_fraction'])) for r in res['rows']]
     ceiling = res['matmul_flops'] / res['flops_per_token']
     return (format_table(['batch', 'nanoserve tok/s', 'transformers tok/s', 'ratio', 'of ceiling'], rows) +
             f"\ncontext {res['context']}, {res['steps']} steps; ceiling {ceiling:,.0f} tok/s "
-            f"= {res['matmul_flops'] / 1e9:.0f} GFLOP/s / {res['flops_per_token'] / 1e6:.0f} MFLOP per token")
+            f"= {res['matmul_flops'] / 1e9:.0f} GFLOP/s / {_significant(res['flops_per_token'] / 1e6)} MFLOP per token")
 
 def _latency_table(res: dict) -> str:
     rows = []

@@ -5,7 +5,7 @@
 # %% ../nbs/13_llm.ipynb #a033ec3b
 from __future__ import annotations
 import re, time, uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 from tqdm import tqdm
 from .config import EngineConfig

@@ -86,7 +86,7 @@ def extend_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          table_idx: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
                          scale: float) -> torch.Tensor:
     "Causal attention of the new tokens `q` `[T, H, D]` over their prefix (through the page table) and themselves."
-    (T, H, D), KVH = q.shape, k.shape[1]
+    (H, D), KVH = q.shape[1:], k.shape[1]
     out, start = torch.empty_like(q), 0
     for row, p, e in zip(table_idx.tolist(), prefix_lens.tolist(), extend_lens.tolist()):
         locs = page_table[row, :p].long()

@@ -58,7 +58,12 @@ def save_tiny_model(path: str | Path, arch: str = 'llama', seed: int = 0, tokeni
         for name, p in model.named_parameters():
             if 'norm' in name: p.copy_(1 + 0.1 * torch.randn_like(p))
             else: p.normal_(0, 0.1 if p.ndim == 1 else 0.3)
-    model.save_pretrained(path)
+    from transformers.utils import logging as hf_logging
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()          # its shard-writing bar would land in the output of every caller
+    try: model.save_pretrained(path)
+    finally:
+        if bars: hf_logging.enable_progress_bar()
     return path
 
 # %% ../nbs/95_testing.ipynb #95a0c011

@@ -1,8 +1,8 @@
-"""The README's examples run as written. Every Python block of README.md runs in a fresh interpreter, and the
-`curl` request of the server example is sent as it is. SmolLM2 stands in as a tiny random model of the same
-family (the blocks call it `smollm2`, which resolves to the tiny model here), and the server the examples talk
-to is one of that model on a free port: the blocks are otherwise unchanged. What each block prints is checked
-against the engine itself."""
+"""The README's examples run as written. Every Python block of README.md runs in a fresh interpreter, and the `curl`
+request of the server example (after the loop that waits for `/health`) is sent as it is. SmolLM2 stands in as a
+tiny random model of the same family (the blocks call it `smollm2`, which resolves to the tiny model here), and the
+server the examples talk to is one of that model on a free port: the blocks are otherwise unchanged. What each block
+prints is checked against the engine itself."""
 import json, re, shlex, subprocess, sys
 from pathlib import Path
 import httpx
@@ -70,8 +70,9 @@ def test_openai_block_prints_the_stream(server, model_dir):
     assert result.stdout == answer['choices'][0]['message']['content'] + '\n'
 
 def test_curl_block_is_a_valid_request(server):
-    block = next(b for b in blocks('sh') if 'curl ' in b)
-    words = shlex.split(block[block.index('curl '):])
+    block = next(b for b in blocks('sh') if 'curl http' in b)
+    assert 'until curl -sf -o /dev/null http://127.0.0.1:8000/health' in block    # it waits for the server first
+    words = shlex.split(block[block.index('curl http'):])
     assert words[1] == README_URL + '/v1/chat/completions'
     response = httpx.post(server.url + '/v1/chat/completions', json=json.loads(words[words.index('-d') + 1]), timeout=60)
     assert response.status_code == 200, response.text
