@@ -5,8 +5,8 @@
 # %% ../nbs/13_llm.ipynb #a033ec3b
 from __future__ import annotations
 import time
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 from tqdm import tqdm
 from .config import EngineConfig
 from .req import FinishReason, Req, SamplingParams

@@ -10,7 +10,7 @@ import torch
 from .config import BATCH_POLICIES, cdiv
 from .req import Batch, FinishReason, Req, SamplingParams
 from .budget import PrefillBudget, admission_error, pages_for, reserved_pages
-from .pages import PageAllocator, PageTable
+from .pages import PageTable
 from .radix import RadixCache, RadixNode
 
 # %% auto #0
