@@ -5,7 +5,6 @@
 # %% ../nbs/10_engine.ipynb #aab00d48
 from __future__ import annotations
 import math, mmap
-from pathlib import Path
 from typing import Sequence
 import torch
 import torch.distributed as dist
