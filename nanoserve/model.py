@@ -32,7 +32,7 @@ class Ops(NamedTuple):
     silu_and_mul: Callable
     linear: Callable            # `(x, weight, bias=None) -> x weight^T + bias`, as `F.linear`
 
-TORCH_OPS = Ops(rms_norm_ref, rope_ref, silu_and_mul_ref, F.linear)   # any device: the CPU default and the reference
+TORCH_OPS = Ops(rms_norm_ref, rope_ref, silu_and_mul_ref, F.linear)   # any device: a model's default, and the reference
 
 @functools.cache
 def triton_ops() -> Ops:

@@ -42,78 +42,99 @@ def check_stop(req: Req, token: int,            # the token just appended with `
     if len(req.input_ids) >= req.max_device_len: return FinishReason.LENGTH
     return None
 
-# %% ../nbs/05_scheduler.ipynb #657a0596
-class Scheduler:
-    "Admits, batches and finishes requests over a paged KV cache with an optional radix prefix cache."
-    def __init__(self,
-                 table: PageTable,                   # the page table, with its allocator
-                 runner: ModelRunner,                # computes a batch, returns one token per request
-                 max_num_batched_tokens: int = 8192, # tokens one step computes: its decodes, then prefill chunks
-                 max_model_len: int = 4096,          # longest prompt + output (clamped to the KV capacity)
-                 decode_reserve_ratio: float = 0.5,
-                 enable_prefix_caching: bool = True,
-                 eos_token_ids: Iterable[int] = (),
-                 batch_policy: str = 'mixed'):       # one of BATCH_POLICIES
-        if batch_policy not in BATCH_POLICIES:
-            raise ValueError(f"batch_policy must be one of {', '.join(BATCH_POLICIES)}, got {batch_policy!r}")
-        self.table, self.runner, self.allocator = table, runner, table.allocator
-        self.page_size = table.page_size
-        self.capacity = self.allocator.num_pages * self.page_size
-        self.max_model_len = min(max_model_len, self.capacity, table.max_len - 1)
-        self.max_num_batched_tokens, self.ratio = max_num_batched_tokens, decode_reserve_ratio
-        self.batch_policy = batch_policy
-        self.cache = RadixCache(self.allocator) if enable_prefix_caching else None
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.waiting: deque[Req] = deque()
-        self.prefilling: list[Req] = []   # admitted, prompt not fully prefilled (chunked)
-        self.running: list[Req] = []      # decoding
-        self.reqs: dict = {}              # uid -> every unfinished request
-        self.num_retractions = 0
-        self.prefix_queries = self.prefix_hits = 0      # prompt tokens admitted / found in the prefix cache
-        self._launched = self._processed = 0            # batches launched / whose results were processed
-        self._rows_to_free: list[tuple[int, int]] = []  # (launch count when released, row)
-        self._held_pages: list[int] = []                # pages held out of circulation by `hold_pages`
+# %% ../nbs/05_scheduler.ipynb #a05s0002
+class _PageKeeping:
+    "The scheduler's pages: what each admitted request owns, what it shares with the radix cache, giving them back."
 
-    # -- intake --------------------------------------------------------------------------------------------
-    def add_request(self, uid, prompt_ids: Sequence[int], params: SamplingParams) -> Req:
-        "Queue a request, or raise `ValueError` at once if it can never run."
-        if uid in self.reqs: raise ValueError(f'request id {uid!r} is already in use')
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
-        err = admission_error(len(prompt_ids), max(max_tokens, 1), self.max_model_len, self.capacity)
-        if err: raise ValueError(err)
-        req = Req(uid, prompt_ids, params, max_device_len=len(prompt_ids) + max_tokens)
-        self.waiting.append(req)
-        self.reqs[uid] = req
-        return req
+    def _available_pages(self) -> int:
+        return self.allocator.num_free + (self.cache.evictable_pages if self.cache else 0)
 
-    def abort(self, uid) -> Req | None:
-        "Stop a request wherever it is; its pages are freed. Returns it, or None if unknown or already done."
-        req = self.reqs.get(uid)
-        if req is not None: self._finish(req, FinishReason.ABORT)
-        return req
+    def _allocate(self, req: Req, n: int):
+        "Pages for `req`'s next `n` positions, evicting from the radix cache when the free list is short."
+        start = req.cached_len
+        need = pages_for(start, start + n, self.page_size)
+        if need > self.allocator.num_free and self.cache: self.cache.evict(need - self.allocator.num_free)
+        self.table.allocate(req.table_idx, start, start + n, self.allocator.allocate(need))
+    def _shared_len(self, req: Req) -> int:
+        return req.cache_handle.end if req.cache_handle is not None else 0
 
-    @property
-    def idle(self) -> bool: return not self.reqs
+    def _own_pages(self, req: Req) -> list[int]:
+        "Pages the request holds that the radix cache does not."
+        end = cdiv(req.cached_len, self.page_size) * self.page_size
+        return self.table.pages_of(req.table_idx, self._shared_len(req), end)
 
-    # -- one step ------------------------------------------------------------------------------------------
-    def step(self) -> list[Req]:
-        "Run one step. Returns the requests that got a token or finished in it."
-        batch = self.schedule()
-        if batch is None: return []
-        self.launch(batch)
-        return self.process(batch, self.runner.forward(batch))
+    def _insert(self, req: Req) -> RadixNode:
+        "Insert the request's page-aligned KV into the radix cache; remap and free its duplicate pages."
+        row, shared = req.table_idx, self._shared_len(req)
+        aligned = req.cached_len // self.page_size * self.page_size
+        if aligned <= shared: return req.cache_handle or self.cache.root
+        cached, tree_locs, node = self.cache.insert(req.input_ids[:aligned], self.table.locs(row, 0, aligned))
+        if cached > shared:            # computed again what the tree already had: use the tree's copy
+            duplicates = self.table.pages_of(row, shared, cached)
+            self.table.write(row, shared, tree_locs[shared:cached])
+            self.allocator.free(duplicates)
+        return node
 
-    def launch(self, batch: Batch):
-        "Start a scheduled batch: sync the page table and token pool, advance lengths, move finished prompts to decode."
-        self.table.sync()
-        batch.launch()
-        self._launched += 1
-        for req, sampled in zip(batch.reqs, batch.sample_mask):
-            if sampled and req in self.prefilling:   # the prompt is fully prefilled: share it, then decode
-                self.prefilling.remove(req)
-                self.running.append(req)
-                self._cache_prefix(req)
+    def _cache_prefix(self, req: Req):
+        "After its prefill: share the request's prompt KV and lock it in its new, longer node."
+        if self.cache is None: return
+        node = self._insert(req)
+        if node is req.cache_handle: return
+        self.cache.lock(node)
+        if req.cache_handle is not None: self.cache.unlock(req.cache_handle)
+        req.cache_handle = node
 
+    def _release(self, req: Req):
+        "Free the request's slot and own pages, leaving its KV in the radix cache."
+        if req.table_idx < 0: return
+        if self.cache is not None:
+            self._insert(req)
+            aligned = req.cached_len // self.page_size * self.page_size
+            tail_end = cdiv(req.cached_len, self.page_size) * self.page_size
+            self.allocator.free(self.table.pages_of(req.table_idx, aligned, tail_end))
+            if req.cache_handle is not None: self.cache.unlock(req.cache_handle)
+        else:
+            self.allocator.free(self._own_pages(req))
+        self._rows_to_free.append((self._launched, req.table_idx))
+        req.table_idx, req.cache_handle = -1, None
+        self._free_rows()
+
+    def _free_rows(self):
+        "Give back the request slots that no launched, unprocessed batch can still write to."
+        keep = []
+        for mark, row in self._rows_to_free:
+            if mark <= self._processed: self.table.free_row(row)
+            else: keep.append((mark, row))
+        self._rows_to_free = keep
+
+    def hold_pages(self, n: int):
+        "Hold `n` pages (as many as can be had) that no request owns, evicting cached ones if need be; 0 returns them."
+        self.allocator.free(self._held_pages)
+        if self.cache is not None and n > self.allocator.num_free: self.cache.evict(n - self.allocator.num_free)
+        self._held_pages = self.allocator.allocate(min(n, self.allocator.num_free))
+
+    def check_integrity(self):
+        "Assert that every page is free, in the radix cache, or owned by exactly one admitted request, and more."
+        admitted = self.prefilling + self.running
+        owned = self.allocator.free_pages() + [p for r in admitted for p in self._own_pages(r)]
+        if self.cache is not None:
+            self.cache.check_integrity()
+            owned += self.cache.pages()
+        assert sorted(owned) == list(range(self.allocator.num_pages)), 'a page is lost or owned twice'
+        num_rows = self.table.num_free_rows + len(admitted) + len(self._rows_to_free)
+        assert num_rows == self.table.dummy_row, 'a request slot is lost'
+        assert len({r.table_idx for r in admitted}) == len(admitted), 'two requests share a slot'
+        for r in admitted: r.check()
+        assert set(self.reqs) == {r.uid for r in admitted} | {r.uid for r in self.waiting}, 'a request is lost'
+        if self.idle:
+            locked = self.cache.protected_pages if self.cache else 0
+            assert locked == 0, 'pages are still locked at idle'
+            evictable = self.cache.evictable_pages if self.cache else 0
+            assert self.allocator.num_free + evictable == self.allocator.num_pages, 'pages are held at idle'
+
+# %% ../nbs/05_scheduler.ipynb #a05s0004
+class _BatchChoice(_PageKeeping):
+    "How the scheduler fills a step by its batch policy: decodes and prompt chunks, their pages given."
     def schedule(self) -> Batch | None:
         "The next batch, its pages given, by the batch policy; None if nothing can run now."
         budget = self.max_num_batched_tokens
@@ -132,16 +153,6 @@ class Scheduler:
         reqs = (decode or []) + [req for req, _ in prefill]
         phase = 'mixed' if decode and prefill else 'decode' if decode else 'prefill'
         return Batch(reqs, phase, [1] * len(decode or []) + [n for _, n in prefill])
-
-    def _available_pages(self) -> int:
-        return self.allocator.num_free + (self.cache.evictable_pages if self.cache else 0)
-
-    def _allocate(self, req: Req, n: int):
-        "Pages for `req`'s next `n` positions, evicting from the radix cache when the free list is short."
-        start = req.cached_len
-        need = pages_for(start, start + n, self.page_size)
-        if need > self.allocator.num_free and self.cache: self.cache.evict(need - self.allocator.num_free)
-        self.table.allocate(req.table_idx, start, start + n, self.allocator.allocate(need))
 
     def _schedule_prefill(self, token_budget: int) -> list[tuple[Req, int]]:
         "Prompt chunks for this step, their pages given: chunked prompts resume first, then waiting requests in order."
@@ -224,6 +235,78 @@ class Scheduler:
         self.table.allocate_pages([r.table_idx for r in new], [r.cached_len for r in new], pages)
         return reqs
 
+# %% ../nbs/05_scheduler.ipynb #657a0596
+class Scheduler(_BatchChoice):
+    "Admits, batches and finishes requests over a paged KV cache with an optional radix prefix cache."
+    def __init__(self,
+                 table: PageTable,                   # the page table, with its allocator
+                 runner: ModelRunner,                # computes a batch, returns one token per request
+                 max_num_batched_tokens: int = 8192, # tokens one step computes: its decodes, then prefill chunks
+                 max_model_len: int = 4096,          # longest prompt + output (clamped to the KV capacity)
+                 decode_reserve_ratio: float = 0.5,
+                 enable_prefix_caching: bool = True,
+                 eos_token_ids: Iterable[int] = (),
+                 batch_policy: str = 'mixed'):       # one of BATCH_POLICIES
+        if batch_policy not in BATCH_POLICIES:
+            raise ValueError(f"batch_policy must be one of {', '.join(BATCH_POLICIES)}, got {batch_policy!r}")
+        self.table, self.runner, self.allocator = table, runner, table.allocator
+        self.page_size = table.page_size
+        self.capacity = self.allocator.num_pages * self.page_size
+        self.max_model_len = min(max_model_len, self.capacity, table.max_len - 1)
+        self.max_num_batched_tokens, self.ratio = max_num_batched_tokens, decode_reserve_ratio
+        self.batch_policy = batch_policy
+        self.cache = RadixCache(self.allocator) if enable_prefix_caching else None
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Req] = deque()
+        self.prefilling: list[Req] = []   # admitted, prompt not fully prefilled (chunked)
+        self.running: list[Req] = []      # decoding
+        self.reqs: dict = {}              # uid -> every unfinished request
+        self.num_retractions = 0
+        self.prefix_queries = self.prefix_hits = 0      # prompt tokens admitted / found in the prefix cache
+        self._launched = self._processed = 0            # batches launched / whose results were processed
+        self._rows_to_free: list[tuple[int, int]] = []  # (launch count when released, row)
+        self._held_pages: list[int] = []                # pages held out of circulation by `hold_pages`
+
+    # -- intake --------------------------------------------------------------------------------------------
+    def add_request(self, uid, prompt_ids: Sequence[int], params: SamplingParams) -> Req:
+        "Queue a request, or raise `ValueError` at once if it can never run."
+        if uid in self.reqs: raise ValueError(f'request id {uid!r} is already in use')
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt_ids)
+        err = admission_error(len(prompt_ids), max(max_tokens, 1), self.max_model_len, self.capacity)
+        if err: raise ValueError(err)
+        req = Req(uid, prompt_ids, params, max_device_len=len(prompt_ids) + max_tokens)
+        self.waiting.append(req)
+        self.reqs[uid] = req
+        return req
+
+    def abort(self, uid) -> Req | None:
+        "Stop a request wherever it is; its pages are freed. Returns it, or None if unknown or already done."
+        req = self.reqs.get(uid)
+        if req is not None: self._finish(req, FinishReason.ABORT)
+        return req
+
+    @property
+    def idle(self) -> bool: return not self.reqs
+
+    # -- one step ------------------------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        "Run one step. Returns the requests that got a token or finished in it."
+        batch = self.schedule()
+        if batch is None: return []
+        self.launch(batch)
+        return self.process(batch, self.runner.forward(batch))
+
+    def launch(self, batch: Batch):
+        "Start a scheduled batch: sync the page table and token pool, advance lengths, move finished prompts to decode."
+        self.table.sync()
+        batch.launch()
+        self._launched += 1
+        for req, sampled in zip(batch.reqs, batch.sample_mask):
+            if sampled and req in self.prefilling:   # the prompt is fully prefilled: share it, then decode
+                self.prefilling.remove(req)
+                self.running.append(req)
+                self._cache_prefix(req)
+
     # -- results -------------------------------------------------------------------------------------------
     def process(self, batch: Batch, output: StepOutput) -> list[Req]:
         "Take a launched batch's output: commit each token (and its logprobs), finish requests, free."
@@ -259,85 +342,6 @@ class Scheduler:
         req.reset_for_recompute()
         self.waiting.appendleft(req)
         self.num_retractions += 1
-
-    # -- pages and the radix cache ---------------------------------------------------------------------------
-    def _shared_len(self, req: Req) -> int:
-        return req.cache_handle.end if req.cache_handle is not None else 0
-
-    def _own_pages(self, req: Req) -> list[int]:
-        "Pages the request holds that the radix cache does not."
-        end = cdiv(req.cached_len, self.page_size) * self.page_size
-        return self.table.pages_of(req.table_idx, self._shared_len(req), end)
-
-    def _insert(self, req: Req) -> RadixNode:
-        "Insert the request's page-aligned KV into the radix cache; remap and free its duplicate pages."
-        row, shared = req.table_idx, self._shared_len(req)
-        aligned = req.cached_len // self.page_size * self.page_size
-        if aligned <= shared: return req.cache_handle or self.cache.root
-        cached, tree_locs, node = self.cache.insert(req.input_ids[:aligned], self.table.locs(row, 0, aligned))
-        if cached > shared:            # computed again what the tree already had: use the tree's copy
-            duplicates = self.table.pages_of(row, shared, cached)
-            self.table.write(row, shared, tree_locs[shared:cached])
-            self.allocator.free(duplicates)
-        return node
-
-    def _cache_prefix(self, req: Req):
-        "After its prefill: share the request's prompt KV and lock it in its new, longer node."
-        if self.cache is None: return
-        node = self._insert(req)
-        if node is req.cache_handle: return
-        self.cache.lock(node)
-        if req.cache_handle is not None: self.cache.unlock(req.cache_handle)
-        req.cache_handle = node
-
-    def _release(self, req: Req):
-        "Free the request's slot and own pages, leaving its KV in the radix cache."
-        if req.table_idx < 0: return
-        if self.cache is not None:
-            self._insert(req)
-            aligned = req.cached_len // self.page_size * self.page_size
-            tail_end = cdiv(req.cached_len, self.page_size) * self.page_size
-            self.allocator.free(self.table.pages_of(req.table_idx, aligned, tail_end))
-            if req.cache_handle is not None: self.cache.unlock(req.cache_handle)
-        else:
-            self.allocator.free(self._own_pages(req))
-        self._rows_to_free.append((self._launched, req.table_idx))
-        req.table_idx, req.cache_handle = -1, None
-        self._free_rows()
-
-    def _free_rows(self):
-        "Give back the request slots that no launched, unprocessed batch can still write to."
-        keep = []
-        for mark, row in self._rows_to_free:
-            if mark <= self._processed: self.table.free_row(row)
-            else: keep.append((mark, row))
-        self._rows_to_free = keep
-
-    # -- checks --------------------------------------------------------------------------------------------
-    def hold_pages(self, n: int):
-        "Hold `n` pages (as many as can be had) that no request owns, evicting cached ones if need be; 0 returns them."
-        self.allocator.free(self._held_pages)
-        if self.cache is not None and n > self.allocator.num_free: self.cache.evict(n - self.allocator.num_free)
-        self._held_pages = self.allocator.allocate(min(n, self.allocator.num_free))
-
-    def check_integrity(self):
-        "Assert that every page is free, in the radix cache, or owned by exactly one admitted request, and more."
-        admitted = self.prefilling + self.running
-        owned = self.allocator.free_pages() + [p for r in admitted for p in self._own_pages(r)]
-        if self.cache is not None:
-            self.cache.check_integrity()
-            owned += self.cache.pages()
-        assert sorted(owned) == list(range(self.allocator.num_pages)), 'a page is lost or owned twice'
-        num_rows = self.table.num_free_rows + len(admitted) + len(self._rows_to_free)
-        assert num_rows == self.table.dummy_row, 'a request slot is lost'
-        assert len({r.table_idx for r in admitted}) == len(admitted), 'two requests share a slot'
-        for r in admitted: r.check()
-        assert set(self.reqs) == {r.uid for r in admitted} | {r.uid for r in self.waiting}, 'a request is lost'
-        if self.idle:
-            locked = self.cache.protected_pages if self.cache else 0
-            assert locked == 0, 'pages are still locked at idle'
-            evictable = self.cache.evictable_pages if self.cache else 0
-            assert self.allocator.num_free + evictable == self.allocator.num_pages, 'pages are held at idle'
 
     def stats(self) -> dict:
         "Counts for logs and metrics."
