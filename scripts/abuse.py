@@ -8,8 +8,10 @@ and the resident memory of the server's three processes around it. The figures o
 Cases: body20 / body100 (a completion whose prompt makes a 20 / 100 MB body, sent with a Content-Length),
 ctx10x (a prompt of 10x the context in characters), slow-body (20 clients sending a body a byte every 0.2 s beside
 normal requests), idle (1000 connections that send nothing, beside normal requests), fd-limit (1100 idle connections
-against a server started with a soft limit of 1024 open files). A server whose processes grow past `--rss-cap-gb`
-together is killed (the case then reads 'killed'): the machine is shared.
+against a server started with a soft limit of 1024 open files), plp (not in the default set: a context of 4096, a
+3,000-token prompt with prompt_logprobs 20 beside a stream: its seconds, the stream's median and worst gap).
+A server whose processes grow past `--rss-cap-gb` together is killed (the case then reads 'killed'): the machine
+is shared.
 """
 import argparse, json, os, resource, selectors, socket, sys, tempfile, threading, time
 import httpx
@@ -161,7 +163,32 @@ def run_case(name: str, s: ServerProcess, watch: Watch, headers: dict) -> dict:
         for sock in socks: sock.close()
         return {'normal ok': f'{ok}/8', 'slowest normal s': round(slowest, 2),
                 'idle closed by server': f'{closed}/{count}', 'last closed at s': round(last, 1)}
+    if name == 'plp': return prompt_logprobs_beside_a_stream(url, headers)
     raise ValueError(name)
+
+def prompt_logprobs_beside_a_stream(url: str, headers: dict, prompt_len: int = 3000) -> dict:
+    "A prompt of `prompt_len` token ids with `prompt_logprobs: 20` sent beside a stream: its time, the stream's gaps."
+    times, stop = [], threading.Event()
+    def stream():
+        body = {'model': 'tiny', 'prompt': 'Hello', 'max_tokens': 4000, 'ignore_eos': True, 'stream': True}
+        with httpx.stream('POST', url + '/v1/completions', json=body, headers=headers, timeout=900) as r:
+            for line in r.iter_lines():
+                if line.startswith('data:'): times.append(time.monotonic())
+                if stop.is_set(): break
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    time.sleep(2)
+    start = time.monotonic()
+    prompt = [3 + i * 7 % 400 for i in range(prompt_len)]
+    body = {'model': 'tiny', 'prompt': prompt, 'max_tokens': 1, 'prompt_logprobs': 20}
+    r = httpx.post(url + '/v1/completions', json=body, headers=headers, timeout=900)
+    end = time.monotonic()
+    stop.set()
+    t.join(timeout=30)
+    gaps = sorted(b - a for a, b in zip(times, times[1:]) if start <= b <= end + 0.5)
+    return {'answer': r.status_code, 'seconds': round(end - start, 2), 'response MB': round(len(r.content) / 1e6, 1),
+            'stream gap p50 ms': round(gaps[len(gaps) // 2] * 1e3, 1) if gaps else None,
+            'stream worst gap s': round(gaps[-1], 3) if gaps else None}
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -170,12 +197,14 @@ def main():
     p.add_argument('--rss-cap-gb', type=float, default=5.0)
     args = p.parse_args()
     serve = json.loads(args.serve)
-    model = save_tiny_model(tempfile.mkdtemp() + '/tiny', 'llama', tokenizer=True)
+    long_context = {'max_position_embeddings': 4096} if 'plp' in args.cases else {}
+    model = save_tiny_model(tempfile.mkdtemp() + '/tiny', 'llama', tokenizer=True, **long_context)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     for name in args.cases:
         if name == 'fd-limit': resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))   # the server inherits it
         log = open(tempfile.mkstemp(suffix='.log')[1], 'w')
-        s = ServerProcess(str(model), served_model_name='tiny', stderr=log, **ENGINE, **serve).start()
+        engine = {**ENGINE, 'num_pages': 1100} if name == 'plp' else ENGINE     # plp: 4,400 KV slots
+        s = ServerProcess(str(model), served_model_name='tiny', stderr=log, **engine, **serve).start()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         headers = s.headers
         pids = {'api': s.proc.pid, **s.state()['pids']}
