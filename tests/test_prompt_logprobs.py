@@ -52,7 +52,8 @@ def test_long_prompt_logprobs_equal_transformers(model_dir):
     with torch.no_grad(): ref = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
     for budget in (4096, 300):
         engine = Engine(model=model_dir, device='cpu', page_size=16, num_pages=256, max_num_batched_tokens=budget)
-        got = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5))[0].prompt_logprobs
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
+        got = engine.generate([prompt], params)[0].prompt_logprobs
         assert got[0] is None and [e.token for e in got[1:]] == prompt[1:]
         logprobs = torch.tensor([e.logprob for e in got[1:]])
         torch.testing.assert_close(logprobs, ref[range(len(prompt) - 1), prompt[1:]], atol=1e-4, rtol=0)
