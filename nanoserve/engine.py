@@ -5,6 +5,7 @@
 # %% ../nbs/10_engine.ipynb #aab00d48
 from __future__ import annotations
 import math, mmap
+from dataclasses import dataclass
 from typing import Sequence
 import torch
 import torch.distributed as dist
@@ -18,8 +19,8 @@ from .sampling import PromptLogprobs, SampleOutput, Sampler, SamplingBatch
 from .structured import GrammarCompiler, GrammarState, constrain_logits
 
 # %% auto #0
-__all__ = ['local_kv_heads', 'kv_bytes_per_page', 'num_kv_pages', 'step_output', 'run_step', 'host_zeros', 'make_backend',
-           'Worker', 'make_scheduler', 'Engine']
+__all__ = ['local_kv_heads', 'kv_bytes_per_page', 'num_kv_pages', 'StepLogits', 'step_output', 'run_step', 'host_zeros',
+           'make_backend', 'Worker', 'make_scheduler', 'Engine']
 
 # %% ../nbs/10_engine.ipynb #7052e94c
 def local_kv_heads(config: ModelConfig, tp_size: int = 1) -> int:
@@ -47,6 +48,12 @@ def num_kv_pages(engine: EngineConfig, config: ModelConfig, dtype: torch.dtype, 
     return pages
 
 # %% ../nbs/10_engine.ipynb #3c1d7e21
+@dataclass(eq=False)
+class StepLogits:
+    "What a forward pass hands the sampler: the sampling rows' logits, and the prompt tokens it scored."
+    logits: torch.Tensor | None                  # [B, V] fp32, one row per request that samples; None: none does
+    prompt: PromptLogprobs | None = None         # the prompt positions the step scored, for requests asking for them
+
 def step_output(batch: Batch, out: SampleOutput | None, tokens: list[int]) -> StepOutput:
     "The scheduler's view of a sampled step: `tokens` (on the host) and the logprobs asked for, spread over the batch."
     output = StepOutput([-1] * batch.size, [None] * batch.size, [None] * batch.size)
@@ -121,6 +128,7 @@ class Worker:
             self.graphs = GraphRunner(self.model, self.backend, self.table, graph_max_bs)
             with torch.inference_mode(): self.graphs.capture()
         self.sampler = Sampler(seed=config.seed, device=self.device)
+        self.tp_rank = tp_rank
         self.vocab_size = mc.vocab_size
 
     @torch.inference_mode()
@@ -129,42 +137,48 @@ class Worker:
         return run_step(self, batch)
 
     @torch.inference_mode()
-    def compute_logits(self, batch: Batch) -> torch.Tensor | None:
-        "Run the model (every TP rank): logits of the sampling requests, then of the prompt-scoring positions; or None."
+    def compute_logits(self, batch: Batch) -> StepLogits | None:
+        "Run the model (every TP rank): logits of the sampling requests, and the prompt tokens scored; or None."
         meta = build_metadata(batch, self.table)
         if self.graphs is not None and meta.phase == 'decode' and self.graphs.bucket(meta.num_reqs) is not None:
-            return self.graphs.replay(meta)
+            return StepLogits(self.graphs.replay(meta))
         self.backend.prepare(meta)
         hidden = self.model(meta.input_ids, meta.positions, self.backend)
         rows, scoring = batch.sample_rows, batch.prompt_logit_indices()
         if not rows and not scoring: return None
-        index = meta.last_indices[to_device(rows, self.device, torch.int64)]
-        if scoring: index = torch.cat([index, to_device(scoring, self.device, torch.int64)])
-        return self.model.compute_logits(hidden[index])
+        last = meta.last_indices[to_device(rows, self.device, torch.int64)]     # the sampling rows' positions
+        logits = self.model.compute_logits(hidden[last]) if rows else None
+        prompt = self.score_prompts(batch, hidden[to_device(scoring, self.device, torch.int64)]) if scoring else None
+        return StepLogits(logits, prompt)
 
     @torch.inference_mode()
-    def sample(self, batch: Batch, logits: torch.Tensor | None) -> SampleOutput | None:
-        "Sample the requests that sample, write their tokens to the token pool, score prompt tokens (TP rank 0 only)."
-        if logits is None: return None
+    def sample(self, batch: Batch, step: StepLogits | None) -> SampleOutput | None:
+        "Sample the requests that sample, write their tokens to the token pool, add the prompt logprobs (TP rank 0)."
+        if step is None: return None
         reqs = [batch.reqs[i] for i in batch.sample_rows]
         out = SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device), [])
         if reqs:
             # rows with a grammar keep their allowed tokens only
-            sample_logits = constrain_logits(logits[:len(reqs)], reqs, self.table.tokens)
-            params = SamplingBatch.from_reqs(reqs, logits.shape[-1], self.device, self.model_config.eos_token_ids,
+            sample_logits = constrain_logits(step.logits, reqs, self.table.tokens)
+            params = SamplingBatch.from_reqs(reqs, step.logits.shape[-1], self.device, self.model_config.eos_token_ids,
                                              self.table.tokens)
             out = self.sampler.sample(sample_logits, params)
             self.write_tokens(batch, out.tokens)
-        if len(logits) > len(reqs): out.prompt = self.score_prompts(batch, logits[len(reqs):])
+        out.prompt = step.prompt
         return out
 
-    def score_prompts(self, batch: Batch, logits: torch.Tensor) -> PromptLogprobs:
-        "The prompt logprobs of a batch's scoring positions, from their logits: position p scores prompt token p + 1."
-        scored = [t for r, start, n in zip(batch.reqs, batch.start_lens, batch.prompt_logit_lens)
-                  for t in r.input_ids[start + 1:start + 1 + n]]
-        nums = [r.sampling_params.prompt_logprobs or 0 for r in batch.reqs]
-        scored_ids = to_device(scored, self.device, torch.int64)
-        return PromptLogprobs.compute(logits, scored_ids, batch.prompt_logit_lens, nums)
+    def score_prompts(self, batch: Batch, hidden: torch.Tensor) -> PromptLogprobs:
+        "The prompt logprobs of a batch's scoring positions, from their hidden states: position p scores token p + 1."
+        rows, cols = [], []     # where the scored tokens sit in the token pool (the scheduler wrote the whole prompt)
+        for r, start, n in zip(batch.reqs, batch.start_lens, batch.prompt_logit_lens):
+            rows += [r.table_idx] * n
+            cols += range(start + 1, start + 1 + n)
+        scored_ids = self.table.tokens[to_device(rows, self.device, torch.int64),
+                                       to_device(cols, self.device, torch.int64)].long()
+        # the other TP ranks run the same LM head blocks (its all-gathers), and keep nothing
+        nums = [0] * batch.size
+        if self.tp_rank == 0: nums = [r.sampling_params.prompt_logprobs or 0 for r in batch.reqs]
+        return PromptLogprobs.compute(hidden, self.model.compute_logits, scored_ids, batch.prompt_logit_lens, nums)
 
     def write_tokens(self, batch: Batch, tokens: torch.Tensor):
         "Put the sampled tokens into the token pool, on the device, at the position after each sampling request's last."

@@ -5,15 +5,15 @@
 # %% ../nbs/09_sampling.ipynb #e1cf6be9
 from __future__ import annotations
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from .req import Req
 from .pages import to_device
 
 # %% auto #0
-__all__ = ['MASKED_LOGPROB', 'token_seed', 'SamplingBatch', 'apply_logit_bias', 'apply_penalties', 'apply_filters',
-           'TokenLogprobs', 'SampleOutput', 'Sampler', 'PromptLogprobs']
+__all__ = ['MASKED_LOGPROB', 'PROMPT_LOGPROBS_CHUNK', 'token_seed', 'SamplingBatch', 'apply_logit_bias', 'apply_penalties',
+           'apply_filters', 'TokenLogprobs', 'SampleOutput', 'Sampler', 'PromptLogprobs']
 
 # %% ../nbs/09_sampling.ipynb #342cca27
 _MASK64 = (1 << 64) - 1
@@ -313,6 +313,8 @@ class Sampler:
         return torch.where(batch.greedy, logits.argmax(-1), tokens) if batch.any_greedy else tokens
 
 # %% ../nbs/09_sampling.ipynb #5a1b0c0d
+PROMPT_LOGPROBS_CHUNK = 256   # prompt positions scored at once: their fp32 logits are the largest block
+
 @dataclass(eq=False)
 class PromptLogprobs:
     "One step's scored prompt tokens, on the device: each one's logprob and the top-N at its position."
@@ -324,12 +326,23 @@ class PromptLogprobs:
     nums: list[int]                      # per request, how many top logprobs it asked for
 
     @classmethod
-    def compute(cls, logits: torch.Tensor,        # [P, V]: row j scores tokens[j]
-                tokens: torch.Tensor, lens: list[int], nums: list[int]) -> PromptLogprobs:
-        "Score the prompt tokens and keep the `max(nums)` best tokens at each position."
-        logprobs = logits.float().log_softmax(-1)
-        top_logprobs, top_ids = logprobs.topk(max(nums), -1)
-        return cls(tokens, logprobs.gather(1, tokens[:, None])[:, 0], top_ids, top_logprobs, lens, nums)
+    def compute(cls, hidden: torch.Tensor,                        # [P, hidden]: row j's position scores tokens[j]
+                lm_head: Callable[[torch.Tensor], torch.Tensor],  # hidden rows -> their logits [rows, V]
+                tokens: torch.Tensor, lens: list[int], nums: list[int],
+                chunk: int = PROMPT_LOGPROBS_CHUNK) -> PromptLogprobs:
+        "Score the prompt tokens and keep the `max(nums)` best tokens at each position, `chunk` positions at a time."
+        num_top, device = max(nums), hidden.device
+        logprobs = torch.empty(len(tokens), dtype=torch.float32, device=device)
+        top_ids = torch.empty(len(tokens), num_top, dtype=torch.int64, device=device)
+        top_logprobs = torch.empty(len(tokens), num_top, dtype=torch.float32, device=device)
+        for start in range(0, len(tokens), chunk):
+            rows = slice(start, start + chunk)
+            logits = lm_head(hidden[rows]).float()
+            log_norm = logits.logsumexp(-1, keepdim=True)       # logprob = logit - log_norm, as log_softmax
+            logprobs[rows] = (logits.gather(1, tokens[rows, None]) - log_norm)[:, 0]
+            top_logits, top_ids[rows] = logits.topk(num_top, -1)
+            top_logprobs[rows] = top_logits - log_norm
+        return cls(tokens, logprobs, top_ids, top_logprobs, lens, nums)
 
     def host(self) -> list[list[TokenLogprobs] | None]:
         "Per request, its entries in prompt order (None for a request that scored nothing); copies to the host."

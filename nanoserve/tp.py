@@ -15,7 +15,7 @@ from .processes import exit_words, free_port
 from .req import Batch
 from .pages import PageTable
 from .scheduler import StepOutput
-from .engine import Engine, Worker, make_scheduler, run_step
+from .engine import Engine, StepLogits, Worker, make_scheduler, run_step
 from .overlap import OverlapEngine
 
 # %% auto #0
@@ -303,7 +303,7 @@ class TPLeader:
             self.error = self.failure(e)
             raise self.error from e
 
-    def compute_logits(self, batch: Batch) -> torch.Tensor | None:
+    def compute_logits(self, batch: Batch) -> StepLogits | None:
         "Announce a launched batch to the other ranks, then run it on this rank's shard (their collectives meet ours)."
         self.check()
         with self._failing_step():
@@ -313,10 +313,10 @@ class TPLeader:
             for t in message.encode(): self._send(t)
             return self.worker.compute_logits(batch)
 
-    def sample(self, batch: Batch, logits: torch.Tensor | None):
+    def sample(self, batch: Batch, step: StepLogits | None):
         "Sample on rank 0, and send the tokens to the other ranks' token pools, device to device."
         with self._failing_step():
-            out = self.worker.sample(batch, logits)
+            out = self.worker.sample(batch, step)
             if batch.sample_rows: dist.broadcast(out.tokens, 0)   # the followers wait for tokens only then
         self.num_steps += 1
         return out

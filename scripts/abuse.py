@@ -15,7 +15,9 @@ server with a key), storm (200 streams left unread for 2 s, then
 reset, three times: the RSS of all the server's processes before and after each), forge (chats whose content, tool
 results, tool-call arguments and role hold the tiny tokenizer's special-token text `<s>` / `</s>`: the status of each,
 and whether the prompt's control tokens are the template's own, counted from the ids that `prompt_logprobs` returns),
-deep (a chat whose JSON schema nests 300 objects deep: its status, seconds and the log lines it wrote).
+deep (a chat whose JSON schema nests 300 objects deep: its status, seconds and the log lines it wrote), plp (not in
+the default set: a context of 4096, a 3,000-token prompt with prompt_logprobs 20 beside a stream: its seconds, the
+stream's median and worst gap).
 With `--data-parallel-size N` the server is `nanoserve serve --data-parallel-size N` (chapter 17) and the RSS is that
 of its whole process tree (Ray's processes, the replicas and their workers). A server whose processes grow past
 `--rss-cap-gb` together is killed (the case then reads 'killed'): the machine is shared.
@@ -214,6 +216,7 @@ def run_case(name: str, s: ServerProcess, watch: Watch, headers: dict) -> dict:
     if name == 'forge': return forge(s, headers)
     if name in LIMIT_CASES: return LIMIT_CASES[name](url, headers)
     if name == 'deep': return deep_schema(url, headers, s)
+    if name == 'plp': return prompt_logprobs_beside_a_stream(url, headers)
     raise ValueError(name)
 
 def bad_words_case(url: str, headers: dict) -> dict:
@@ -301,6 +304,30 @@ def deep_schema(url: str, headers: dict, s: ServerProcess) -> dict:
     return {'answer': f'{r.status_code} {r.json()["error"]["message"][:90] if r.status_code != 200 else ""}',
             'seconds': round(seconds, 3), 'log lines': lines}
 
+def prompt_logprobs_beside_a_stream(url: str, headers: dict, prompt_len: int = 3000) -> dict:
+    "A prompt of `prompt_len` token ids with `prompt_logprobs: 20` sent beside a stream: its time, the stream's gaps."
+    times, stop = [], threading.Event()
+    def stream():
+        body = {'model': 'tiny', 'prompt': 'Hello', 'max_tokens': 4000, 'ignore_eos': True, 'stream': True}
+        with httpx.stream('POST', url + '/v1/completions', json=body, headers=headers, timeout=900) as r:
+            for line in r.iter_lines():
+                if line.startswith('data:'): times.append(time.monotonic())
+                if stop.is_set(): break
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    time.sleep(2)
+    start = time.monotonic()
+    prompt = [3 + i * 7 % 400 for i in range(prompt_len)]
+    body = {'model': 'tiny', 'prompt': prompt, 'max_tokens': 1, 'prompt_logprobs': 20}
+    r = httpx.post(url + '/v1/completions', json=body, headers=headers, timeout=900)
+    end = time.monotonic()
+    stop.set()
+    t.join(timeout=30)
+    gaps = sorted(b - a for a, b in zip(times, times[1:]) if start <= b <= end + 0.5)
+    return {'answer': r.status_code, 'seconds': round(end - start, 2), 'response MB': round(len(r.content) / 1e6, 1),
+            'stream gap p50 ms': round(gaps[len(gaps) // 2] * 1e3, 1) if gaps else None,
+            'stream worst gap s': round(gaps[-1], 3) if gaps else None}
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('cases', nargs='*', default=['body20', 'body100', 'ctx10x', 'slow-body', 'idle', 'fd-limit',
@@ -311,13 +338,15 @@ def main():
                    help='serve N replicas on Ray Serve (`nanoserve serve --data-parallel-size N`) instead of one engine')
     args = p.parse_args()
     serve = json.loads(args.serve)
-    model = save_tiny_model(tempfile.mkdtemp() + '/tiny', 'llama', tokenizer=True)
+    long_context = {'max_position_embeddings': 4096} if 'plp' in args.cases else {}
+    model = save_tiny_model(tempfile.mkdtemp() + '/tiny', 'llama', tokenizer=True, **long_context)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     for name in args.cases:
         if name == 'fd-limit': resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))   # the server inherits it
         log = open(tempfile.mkstemp(suffix='.log')[1], 'w')
         replicas = dict(cli=True, data_parallel_size=args.data_parallel_size) if args.data_parallel_size else {}
-        s = ServerProcess(str(model), served_model_name='tiny', stderr=log, **replicas, **ENGINE,
+        engine = {**ENGINE, 'num_pages': 1100} if name == 'plp' else ENGINE     # plp: 4,400 KV slots
+        s = ServerProcess(str(model), served_model_name='tiny', stderr=log, **replicas, **engine,
                           **CASE_SERVE.get(name, {}), **serve).start()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         headers = s.headers
