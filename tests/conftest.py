@@ -6,6 +6,11 @@ use_triton_interpreter()
 import os
 import pytest
 
+# The CPU backend picks its linear product by timing the candidates at load (appendix B), so on a busy machine two
+# processes of one test (a server and its offline reference, two TP ranks) can pick different ones and round fp32 sums
+# differently. The tests pin the C product, as `NANOSERVE_CPU_LINEAR` lets any user; appendix B tests each product.
+os.environ.setdefault('NANOSERVE_CPU_LINEAR', 'c')
+
 def pytest_configure(config):
     config.addinivalue_line('markers', 'slow: runs a real model (SmolLM2); skipped unless NANOSERVE_SLOW=1')
 
