@@ -200,73 +200,9 @@ class Generation:
             base = self.offset[r.rid]
             if any(base + k in self.unfinished for k in range(self.n)): self.frontend.send(AbortReq(r.rid))
 
-class Frontend:
-    "The API server's side of the processes: sends requests, routes replies, watches the workers and the scheduler."
-    def __init__(self, model_name: str, ipc: dict[str, str], info: dict | None = None,
-                 workers: Workers | None = None,    # the worker processes, watched for an exit (chapter 14f)
-                 watchdog_timeout: float = 60.0,    # no scheduler progress this long, requests open: 503s; 0: off
-                 debug_hooks: bool = False,         # serve `POST /debug/inject` (tests only)
-                 stream_backlog: int = 1024):       # tokens per choice a stream's client may leave unread, then dropped
-        self.model_name, self.ipc, self.info, self.workers = model_name, ipc, info or {}, workers
-        self.watchdog_timeout, self.debug_hooks, self.stream_backlog = watchdog_timeout, debug_hooks, stream_backlog
-        self.routes: dict[str, Generation] = {}     # backend rid -> its generation
-        self.stats: dict = {}                       # the scheduler's latest counters
-        self.fatal: str | None = None               # why the server cannot serve any more
-        self.stalled: str | None = None             # why the watchdog thinks the scheduler is stuck
-        self.drain_deadline: float | None = None    # set by SIGTERM: when draining gives up
-        self.on_fatal: Callable[[], None] | None = None   # stop the server (after a fatal error)
-        self.on_drained: Callable[[], None] | None = None # stop the server (draining is over)
-        self.metrics = ServerMetrics(model_name, lambda: self.stats)
-        self.created = int(time.time())
-        self.log_interval = 10.0                    # seconds between throughput log lines while busy; 0: none
-        self.last_progress = time.monotonic()       # when the scheduler last stepped or said it was idle
-        self._steps = None
-        self._tasks: list[asyncio.Task] = []
-
-    @asynccontextmanager
-    async def lifespan(self, app):
-        "Open the sockets and start the listener and the watchdog, for as long as the app runs."
-        self._sync_ctx, self._ctx = zmq.Context(), zmq.asyncio.Context()
-        self._push = open_socket(self._sync_ctx, zmq.PUSH, connect=self.ipc['tokenizer'])
-        self._pull = open_socket(self._ctx, zmq.PULL, bind=self.ipc['api'])
-        if self.info.get('max_model_len'): self.send(ContextLength(self.info['max_model_len']))   # before any request
-        self.last_progress = time.monotonic()
-        self._tasks = [asyncio.create_task(self._listen()), asyncio.create_task(self._watch())]
-        try: yield
-        finally:
-            for task in self._tasks: task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            self._push.close()
-            self._pull.close()
-            self._sync_ctx.term()
-            self._ctx.term()
-
-    def send(self, msg, data: bytes | None = None):
-        "Send a message (or its bytes) to the tokenizer process (never blocks: a full queue means a stuck worker)."
-        try: self._push.send(encode(msg) if data is None else data, flags=zmq.NOBLOCK)
-        except zmq.Again: self.die('the tokenizer process is not taking requests')
-
-    def unavailable(self) -> str | None:
-        "Why new requests are refused with a 503 now: a dead worker, a stuck scheduler, or draining; None if serving."
-        if self.fatal: return self.fatal
-        if self.drain_deadline is not None: return 'the server is shutting down (draining the requests in flight)'
-        return self.stalled
-
-    def generate(self, reqs: list[GenerateReq], n: int, kind: str = 'completion', stream: bool = False) -> Generation:
-        "Start generating; replies arrive in the returned `Generation`."
-        reason = self.unavailable()
-        if reason: raise ApiError(503, reason)
-        data = [encode_request(r) for r in reqs]       # a value msgpack cannot carry is the request's fault: 400
-        gen = Generation(self, reqs, n, kind, self.stream_backlog if stream else None)
-        for r, d in zip(reqs, data):
-            self.routes[r.rid] = gen
-            self.send(r, d)
-        return gen
-
-    def start_drain(self, timeout: float):
-        "Begin draining (called from the SIGTERM handler: it only sets the deadline; the watchdog does the rest)."
-        if self.drain_deadline is None: self.drain_deadline = time.monotonic() + timeout
-
+# %% ../../nbs/14e_frontend.ipynb #2f437b97
+class _FrontendTasks:
+    "The listener and the watchdog of `Frontend` (below): replies routed, progress watched, failure spread."
     async def _listen(self):
         try:
             while True:
@@ -350,6 +286,74 @@ class Frontend:
         log(f'ERROR: {message}; shutting down', 'error')
         self.fail_all(503, message)
         if self.on_fatal: asyncio.get_running_loop().call_later(0.5, self.on_fatal)
+
+# %% ../../nbs/14e_frontend.ipynb #1b518511
+class Frontend(_FrontendTasks):
+    "The API server's side of the processes: sends requests, routes replies, watches the workers and the scheduler."
+    def __init__(self, model_name: str, ipc: dict[str, str], info: dict | None = None,
+                 workers: Workers | None = None,    # the worker processes, watched for an exit (chapter 14f)
+                 watchdog_timeout: float = 60.0,    # no scheduler progress this long, requests open: 503s; 0: off
+                 debug_hooks: bool = False,         # serve `POST /debug/inject` (tests only)
+                 stream_backlog: int = 1024):       # tokens per choice a stream's client may leave unread, then dropped
+        self.model_name, self.ipc, self.info, self.workers = model_name, ipc, info or {}, workers
+        self.watchdog_timeout, self.debug_hooks, self.stream_backlog = watchdog_timeout, debug_hooks, stream_backlog
+        self.routes: dict[str, Generation] = {}     # backend rid -> its generation
+        self.stats: dict = {}                       # the scheduler's latest counters
+        self.fatal: str | None = None               # why the server cannot serve any more
+        self.stalled: str | None = None             # why the watchdog thinks the scheduler is stuck
+        self.drain_deadline: float | None = None    # set by SIGTERM: when draining gives up
+        self.on_fatal: Callable[[], None] | None = None   # stop the server (after a fatal error)
+        self.on_drained: Callable[[], None] | None = None # stop the server (draining is over)
+        self.metrics = ServerMetrics(model_name, lambda: self.stats)
+        self.created = int(time.time())
+        self.log_interval = 10.0                    # seconds between throughput log lines while busy; 0: none
+        self.last_progress = time.monotonic()       # when the scheduler last stepped or said it was idle
+        self._steps = None
+        self._tasks: list[asyncio.Task] = []
+
+    @asynccontextmanager
+    async def lifespan(self, app):
+        "Open the sockets and start the listener and the watchdog, for as long as the app runs."
+        self._sync_ctx, self._ctx = zmq.Context(), zmq.asyncio.Context()
+        self._push = open_socket(self._sync_ctx, zmq.PUSH, connect=self.ipc['tokenizer'])
+        self._pull = open_socket(self._ctx, zmq.PULL, bind=self.ipc['api'])
+        if self.info.get('max_model_len'): self.send(ContextLength(self.info['max_model_len']))   # before any request
+        self.last_progress = time.monotonic()
+        self._tasks = [asyncio.create_task(self._listen()), asyncio.create_task(self._watch())]
+        try: yield
+        finally:
+            for task in self._tasks: task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            self._push.close()
+            self._pull.close()
+            self._sync_ctx.term()
+            self._ctx.term()
+
+    def send(self, msg, data: bytes | None = None):
+        "Send a message (or its bytes) to the tokenizer process (never blocks: a full queue means a stuck worker)."
+        try: self._push.send(encode(msg) if data is None else data, flags=zmq.NOBLOCK)
+        except zmq.Again: self.die('the tokenizer process is not taking requests')
+
+    def unavailable(self) -> str | None:
+        "Why new requests are refused with a 503 now: a dead worker, a stuck scheduler, or draining; None if serving."
+        if self.fatal: return self.fatal
+        if self.drain_deadline is not None: return 'the server is shutting down (draining the requests in flight)'
+        return self.stalled
+
+    def generate(self, reqs: list[GenerateReq], n: int, kind: str = 'completion', stream: bool = False) -> Generation:
+        "Start generating; replies arrive in the returned `Generation`."
+        reason = self.unavailable()
+        if reason: raise ApiError(503, reason)
+        data = [encode_request(r) for r in reqs]       # a value msgpack cannot carry is the request's fault: 400
+        gen = Generation(self, reqs, n, kind, self.stream_backlog if stream else None)
+        for r, d in zip(reqs, data):
+            self.routes[r.rid] = gen
+            self.send(r, d)
+        return gen
+
+    def start_drain(self, timeout: float):
+        "Begin draining (called from the SIGTERM handler: it only sets the deadline; the watchdog does the rest)."
+        if self.drain_deadline is None: self.drain_deadline = time.monotonic() + timeout
 
     def model_card(self) -> dict:
         return {'id': self.model_name, 'object': 'model', 'created': self.created, 'owned_by': 'nanoserve',
