@@ -495,6 +495,7 @@ async def _events(first: TextOut, gen: Generation, fmt: ResponseFormat, num_choi
     if fmt.include_usage: yield sse(fmt.usage_chunk(gen.usage(sent)))
     yield SSE_DONE
 
+# %% ../../nbs/14e_frontend.ipynb #0308e82d
 def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_bytes: int = MAX_REQUEST_BYTES,
               body_timeout: float = 30.0) -> FastAPI:
     "The app behind its `RequestGuard`: OpenAI's routes, `/health`, `/metrics`, `/debug/state` (and `/debug/inject`)."
