@@ -4,13 +4,13 @@
 
 # %% ../nbs/16_cli.ipynb #3b90080f
 from __future__ import annotations
-import argparse, importlib, importlib.util, os, sys
+import argparse, importlib, importlib.util, ipaddress, os, sys
 from typing import Sequence, TextIO
 from . import __version__
 from .req import SamplingParams
 
 # %% auto #0
-__all__ = ['CLI_SAMPLING_DEFAULTS', 'SAMPLING_FLAGS', 'build_parser', 'chat_shell', 'main']
+__all__ = ['CLI_SAMPLING_DEFAULTS', 'SAMPLING_FLAGS', 'RAY_LOOPBACK_ENV', 'build_parser', 'chat_shell', 'is_loopback', 'main']
 
 # %% ../nbs/16_cli.ipynb #3d9bfc00
 CLI_SAMPLING_DEFAULTS = {'temperature': 0.0, 'max_tokens': 128}
@@ -223,10 +223,20 @@ def _missing(what: str, module: str, e: ImportError) -> int:
     print(f'nanoserve {what}: error: {module} {why}', file=sys.stderr)
     return 2
 
+RAY_LOOPBACK_ENV = 'RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'   # '0': a local Ray cluster on loopback; read at `import ray`
+
+def is_loopback(host: str) -> bool:
+    "Whether `host` is this machine's loopback interface: 'localhost', 127.0.0.0/8 or ::1."
+    if host == 'localhost': return True
+    try: return ipaddress.ip_address(host).is_loopback
+    except ValueError: return False
+
 def _serve(args: argparse.Namespace) -> int:
     engine_kwargs, _ = _checked(args, sampling=False)
     server_options = {k: getattr(args, k) for k in _SERVE_OPTIONS if getattr(args, k) is not None}
     replicas = {k: getattr(args, k) for k in _REPLICA_OPTIONS if getattr(args, k) is not None}
+    if replicas and args.ray_address is None and is_loopback(args.host):
+        os.environ[RAY_LOOPBACK_ENV] = '0'    # before ray is imported, below; the cluster's processes inherit it
     try:
         if replicas: from nanoserve.replicas import serve_replicas as serve
         else: from nanoserve.server import run_server as serve

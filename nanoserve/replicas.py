@@ -17,12 +17,13 @@ from .server.messages import AbortReq, ErrorOut, GenerateReq, log
 from .server.protocol import ApiError
 from .server.frontend import MAX_REQUEST_BYTES, Frontend, Generation, ServerMetrics
 from .server.launch import Workers, api_keys, http_server
+from .cli import RAY_LOOPBACK_ENV, is_loopback
 from .bench import Workload
 
 # %% auto #0
-__all__ = ['APP_NAME', 'ROUTINGS', 'prompt_blocks', 'PrefixIndex', 'PrefixAwareRouter', 'placement_gpu_ids', 'EngineReplica',
-           'ReplicaCollector', 'ReplicaSet', 'ReplicaFrontend', 'replica_resources', 'replica_scaling', 'replica_app',
-           'serve_replicas', 'measure_endpoint']
+__all__ = ['APP_NAME', 'ROUTINGS', 'prompt_blocks', 'PrefixIndex', 'PrefixAwareRouter', 'placement_gpu_ids',
+           'serve_grpc_on_loopback', 'EngineReplica', 'ReplicaCollector', 'ReplicaSet', 'ReplicaFrontend',
+           'replica_resources', 'replica_scaling', 'replica_app', 'serve_replicas', 'measure_endpoint']
 
 # %% ../nbs/17_replicas.ipynb #e17a0007
 def prompt_blocks(req: GenerateReq, block_chars: int = 64, block_tokens: int = 16, max_blocks: int = 64) -> list[int]:
@@ -129,10 +130,18 @@ async def placement_gpu_ids() -> list[str] | None:
                  for bundle in range(1, group.bundle_count)]
     return [str(g) for ids in [own, *await asyncio.gather(*in_bundle)] for g in ids]
 
+def serve_grpc_on_loopback():
+    "Bind this replica's Ray Serve gRPC server (its address is fixed at '[::]:0', all interfaces) to 127.0.0.1."
+    from ray.serve._private import replica
+    add_port = replica.add_port_to_grpc_server
+    # NOTE: Ray Serve starts the server once the deployment's `__init__` returned, through this module-level name
+    replica.add_port_to_grpc_server = lambda server, address: add_port(server, address.replace('[::]', '127.0.0.1', 1))
+
 class EngineReplica:
     "One engine replica (a Ray Serve deployment): the server's tokenizer and scheduler processes, and 14e's `Frontend`."
     async def __init__(self, path: str, engine_kwargs: dict, model_name: str, chat_template: str | None = None,
                        watchdog_timeout: float = 60.0, integrity_check: str | None = None):
+        if is_loopback(ray.util.get_node_ip_address()): serve_grpc_on_loopback()   # a cluster on loopback only
         gpus = await placement_gpu_ids()
         if gpus: os.environ['CUDA_VISIBLE_DEVICES'] = ','.join(gpus)   # the ranks' processes see the group's GPUs
         self.workers = Workers(path, engine_kwargs, chat_template, integrity_check)
@@ -342,6 +351,9 @@ def serve_replicas(model: str, host: str = '127.0.0.1', port: int = 8000, served
     if ray_address is None:    # a CPU for each rank of the most replicas there may be
         most_ranks = max(data_parallel_size, max_replicas or 0) * engine_kwargs.get('tensor_parallel_size', 1)
         local_cluster = dict(num_cpus=max(os.cpu_count() or 1, most_ranks), include_dashboard=False)
+        if is_loopback(host) and not is_loopback(ray.util.get_node_ip_address()):
+            raise RuntimeError(f'a local Ray cluster listens on loopback only if {RAY_LOOPBACK_ENV}=0 is set before '
+                               f'ray is imported (`nanoserve serve` sets it): set it, or serve on another --host')
     ray.init(address=ray_address, logging_level='WARNING', **local_cluster)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _raise_interrupt)   # uvicorn re-raises both once it has stopped

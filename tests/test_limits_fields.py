@@ -91,7 +91,7 @@ SAMPLE_VALUES = {       # a plausible value for each field the tests send on the
     'prediction': {'type': 'content', 'content': 'Hello there'}, 'prompt_cache_key': 'k',
     'prompt_cache_options': {'mode': 'implicit'}, 'prompt_cache_retention': '24h', 'reasoning_effort': 'low',
     'safety_identifier': 'user-1', 'service_tier': 'auto', 'store': False, 'user': 'user-1', 'verbosity': 'low',
-    'web_search_options': {'search_context_size': 'low'}}
+    'web_search_options': {'search_context_size': 'low'}, 'suffix': '!'}
 
 def sdk_fields(params) -> set[str]:
     return set(params.CompletionCreateParamsBase.__annotations__) | {'stream'}
@@ -127,4 +127,35 @@ def test_max_completion_tokens_is_honoured(server):
 def test_a_field_no_api_defines_is_refused_by_name(server):
     assert refused_param(post(server, 'chat/completions', chat(temprature=0.5))) == 'temprature'
     assert refused_param(post(server, 'chat/completions', chat(temprature=None))) == 'temprature'
-    assert refused_param(post(server, 'completions', completion(suffix='!'))) == 'suffix'
+
+WEATHER = {'name': 'get_weather', 'description': 'The weather in a city',
+           'parameters': {'type': 'object', 'required': ['city'],      # short enough for random weights to finish
+                          'properties': {'city': {'type': 'string', 'pattern': '^[A-Za-z]{1,10}$'}}}}
+
+def test_suffix_is_accepted_and_ignored(server):
+    r = post(server, 'completions', completion(suffix='!', temperature=0, ignore_eos=True))
+    assert r.status_code == 200, r.text[:300]
+    plain = post(server, 'completions', completion(temperature=0, ignore_eos=True)).json()
+    assert r.json()['choices'][0]['text'] == plain['choices'][0]['text']
+
+def test_functions_and_function_call_are_tools_and_tool_choice(server):
+    "Chat's older fields are honoured as their newer forms: a forced call comes back as `tool_calls`."
+    body = chat(functions=[WEATHER], function_call={'name': 'get_weather'}, max_tokens=120,
+                temperature=0)
+    r = post(server, 'chat/completions', body)
+    assert r.status_code == 200, r.text[:300]
+    calls = r.json()['choices'][0]['message']['tool_calls']
+    assert [call['function']['name'] for call in calls] == ['get_weather']
+    newer = chat(tools=[{'type': 'function', 'function': WEATHER}],
+                 tool_choice={'type': 'function', 'function': {'name': 'get_weather'}}, max_tokens=120,
+                 temperature=0)
+    newer_calls = post(server, 'chat/completions', newer).json()['choices'][0]['message']['tool_calls']
+    assert [c['function'] for c in calls] == [c['function'] for c in newer_calls]    # the same call (ids are random)
+    none = post(server, 'chat/completions', chat(functions=[WEATHER], function_call='none', temperature=0))
+    assert none.status_code == 200 and not none.json()['choices'][0]['message'].get('tool_calls'), none.text[:300]
+
+def test_both_forms_of_one_field_are_refused(server):
+    tool = {'type': 'function', 'function': WEATHER}
+    assert refused_param(post(server, 'chat/completions', chat(functions=[WEATHER], tools=[tool]))) == 'functions'
+    both = chat(tools=[tool], function_call='auto', tool_choice='auto')
+    assert refused_param(post(server, 'chat/completions', both)) == 'function_call'

@@ -5,7 +5,7 @@ one server; per-replica metrics and health; an abort reaches the replica; a repl
 process) is killed under its requests fails them with a 503, not a hang, and Ray Serve replaces it while the endpoint
 keeps answering. The faults are made deterministic by freezing a scheduler (SIGSTOP) before the requests it must hold.
 Skipped where Ray is not installed (`pip install nanoserve[ray]`)."""
-import json, os, selectors, signal, socket, struct, threading, time
+import ipaddress, json, os, selectors, signal, socket, struct, threading, time
 from concurrent.futures import ThreadPoolExecutor
 import pytest
 
@@ -193,6 +193,22 @@ def _closed_by_server(socks: list, wait: float) -> int:
             closed += 1
     sel.close()
     return closed
+
+def test_ray_listens_on_loopback_only(server):
+    "With `--host 127.0.0.1` and a cluster of its own, every process the server started listens on loopback only."
+    _replicas(server)
+    root = psutil.Process(server.proc.pid)
+    listening = []
+    for proc in [root, *root.children(recursive=True)]:
+        try: name, sockets = proc.name(), proc.net_connections(kind='inet')
+        except psutil.NoSuchProcess: continue      # a short-lived helper that exited meanwhile
+        listening += [(name, s.laddr.ip, s.laddr.port) for s in sockets if s.status == psutil.CONN_LISTEN]
+    names = {name for name, _, _ in listening}
+    assert {'gcs_server', 'raylet'} <= names, names    # Ray's own servers are in the tree, not only the endpoint's
+    def loopback(ip):
+        address = ipaddress.ip_address(ip)
+        return (getattr(address, 'ipv4_mapped', None) or address).is_loopback     # '::ffff:127.0.0.1' is too
+    assert [(name, ip, port) for name, ip, port in listening if not loopback(ip)] == []
 
 def test_ray_serve_routes_are_not_served(server):
     "Only the app's routes answer, behind the key: no Ray Serve proxy route (`/-/routes`, `/-/healthz`) is reachable."

@@ -90,12 +90,10 @@ IGNORED_FIELDS = {   # OpenAI's request fields with no meaning for a local serve
     'audio': 'the voice and format of audio output; this server answers in text',
     'web_search_options': "OpenAI's web search; a local model answers from its weights alone",
     'moderation': "OpenAI's moderation of the input and output",
+    'suffix': 'text after the completion (fill-in-the-middle); the completion is generated without it',
 }
 REFUSED_FIELDS = {   # OpenAI's request fields this server does not implement: a 400 naming the field when it is set
-    'suffix': 'text after the completion (fill-in-the-middle)',
     'best_of': 'the n best of best_of completions by their logprobs (refused when it is not n)',
-    'functions': 'the older form of tools: send tools',
-    'function_call': 'the older form of tool_choice: send tool_choice',
 }
 
 class _SamplingRequest(_BoundedNesting):
@@ -146,7 +144,6 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False                     # the prompt before the completion (with logprobs: the prompt's too)
-    suffix: str | None = None
     best_of: int | None = None
 
     @property
@@ -163,6 +160,24 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
+    functions: list | None = None          # the older form of `tools`: a list of the functions alone
+    function_call: Any = None              # the older form of `tool_choice`: 'none', 'auto' or {'name': ...}
+
+    @model_validator(mode='before')
+    @classmethod
+    def _functions_are_tools(cls, data):
+        "`functions` and `function_call` become `tools` and `tool_choice`, unless those are sent too (a 400 then)."
+        if not isinstance(data, dict): return data
+        data = dict(data)
+        if data.get('functions') is not None and data.get('tools') is None:
+            functions = data.pop('functions')
+            is_list = isinstance(functions, list)      # anything else is refused as `tools` is
+            data['tools'] = [{'type': 'function', 'function': f} for f in functions] if is_list else functions
+        call = data.get('function_call')
+        if call is not None and data.get('tool_choice') is None:
+            data.pop('function_call')
+            data['tool_choice'] = {'type': 'function', 'function': call} if isinstance(call, dict) else call
+        return data
     # vLLM extensions
     echo: bool = False                     # the reply starts with the last message's content, if it is the assistant's
     add_generation_prompt: bool = True     # open the assistant's turn after the messages
@@ -183,9 +198,13 @@ def _refuse_unsupported(body: _SamplingRequest):
         raise ApiError(400, message, unknown[0][:MAX_QUOTED])
     refused = [(name, value is not None) for name, value in extra.items() if name in REFUSED_FIELDS]
     if isinstance(body, CompletionRequest):
-        refused += [('suffix', body.suffix is not None), ('best_of', body.best_of not in (None, body.n))]
+        refused += [('best_of', body.best_of not in (None, body.n))]
     for name, used in refused:
         if used: raise ApiError(400, f'{name} is not supported by this server ({REFUSED_FIELDS[name]})', name)
+    if isinstance(body, ChatCompletionRequest):
+        for old, new in [('functions', 'tools'), ('function_call', 'tool_choice')]:
+            if {old, new} <= body.model_fields_set:
+                raise ApiError(400, f'{old} is the older form of {new}: send one of them', old)
     if isinstance(body, ChatCompletionRequest) and body.continue_final_message and body.add_generation_prompt:
         raise ApiError(400, 'continue_final_message needs add_generation_prompt to be false: the last message is '
                        'continued, no new turn is opened', 'continue_final_message')
