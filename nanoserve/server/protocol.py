@@ -183,6 +183,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True     # open the assistant's turn after the messages
     continue_final_message: bool = False   # leave the last message open: the reply continues it
 
+# %% ../../nbs/14b_protocol.ipynb #bc913fe7
 MAX_N, MAX_PROMPTS = 128, 2048
 MAX_STOP, MAX_STOP_CHARS = 64, 1000   # stop strings (and stop token ids) per request; characters per stop string
 MAX_LOGIT_BIAS = 300                  # logit_bias entries per request
