@@ -35,8 +35,8 @@ def _penalised(sp) -> bool:
     return sp.repetition_penalty != 1 or sp.frequency_penalty != 0 or sp.presence_penalty != 0
 
 @dataclass(eq=False)
-class SamplingBatch:
-    "The sampling parameters of one step's requests as `[B]` tensors on the device, one row per logits row."
+class _SamplingTensors:
+    "The fields of a `SamplingBatch`: one step's sampling parameters as `[B]` tensors, one row per logits row."
     vocab_size: int
     temperature: torch.Tensor            # [B] fp32; 1 in greedy rows
     greedy: torch.Tensor                 # [B] bool
@@ -81,6 +81,10 @@ class SamplingBatch:
         "Whether penalties, min_tokens, logit_bias, allowed_token_ids or bad_words change the logits before sampling."
         row_lists = (self.penalty_rows, self.stop_rows, self.bias_rows, self.allowed_rows, self.ban_rows)
         return any(rows is not None for rows in row_lists)
+
+# %% ../nbs/09_sampling.ipynb #5f58069c
+class SamplingBatch(_SamplingTensors):
+    "The sampling parameters of one step's requests as `[B]` tensors on the device, one row per logits row."
 
     @classmethod
     def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device | str = 'cpu',

@@ -60,8 +60,9 @@ def max_token_chars(tokenizer) -> int:
     backend = getattr(tokenizer, 'backend_tokenizer', None)     # a fast tokenizer says whether it normalizes
     return longest if backend is not None and backend.normalizer is None else 2 * longest
 
-class TokenizerWorker:
-    "The tokenizer process's logic: prompts to token ids on the way in, tokens to text on the way out."
+# %% ../../nbs/14c_tokenizer.ipynb #19a92797
+class _TokenizerIn:
+    "The tokenizer process's way in: prompts and chat messages to token ids, and the state each request keeps."
     def __init__(self, tokenizer, chat_template: str | None = None,
                  debug_hooks: bool = False):          # obey `DebugReq.fail_detokenize` (tests only)
         from nanoserve.llm import ChatTokenizer, IncrementalDetokenizer   # here: the API process never loads torch
@@ -151,6 +152,10 @@ class TokenizerWorker:
     def debug(self, msg: DebugReq):
         "Apply an injected fault meant for this process; ignored unless the worker was made with `debug_hooks`."
         if self.debug_hooks and msg.fail_detokenize is not None: self._fail_next = msg.fail_detokenize
+
+# %% ../../nbs/14c_tokenizer.ipynb #e9456bf6
+class TokenizerWorker(_TokenizerIn):
+    "The tokenizer process's logic: prompts to token ids on the way in, tokens to text on the way out."
 
     def token_str(self, token: int) -> str:
         "A token's text alone (for the logprobs), remembered."
