@@ -69,8 +69,6 @@ def long_exported_cells() -> list[str]:
     return [f'{p.name} cell {i}: {len(source(c).splitlines())} lines' for p in NOTEBOOKS for i, c in enumerate(cells(p))
             if exported(c) and len(source(c).splitlines()) > MAX_EXPORTED_LINES]
 
-@pytest.mark.xfail(strict=False, reason='exported cells still over 150 lines, being split: '
-                   '14b_protocol (175), 14e_frontend (Frontend 255, and 158)')
 def test_no_exported_cell_over_150_lines():
     long = long_exported_cells()
     assert not long, f'exported cells over {MAX_EXPORTED_LINES} lines:\n' + '\n'.join(long)
