@@ -260,15 +260,15 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _check_kernels(args: argparse.Namespace) -> int:
     "Compile the kernels for each architecture; a table per architecture; 1 if any configuration has a problem."
-    if 'triton' in sys.modules and os.environ.get('TRITON_INTERPRET') == '1':
-        raise ValueError('check-kernels compiles the kernels, not interprets them: '
-                         'run it in a process without TRITON_INTERPRET=1')
-    os.environ.pop('TRITON_INTERPRET', None)
     if importlib.util.find_spec('triton') is None:
         print('nanoserve check-kernels: error: triton is not installed: it comes with a CUDA build of torch, or '
               'install the dev extra (pip install -e ".[dev]" in a clone), which pins the version the book tests',
               file=sys.stderr)
         return 2
+    if 'triton' in sys.modules and os.environ.get('TRITON_INTERPRET') == '1':
+        raise ValueError('check-kernels compiles the kernels, not interprets them: '
+                         'run it in a process without TRITON_INTERPRET=1')
+    os.environ.pop('TRITON_INTERPRET', None)
     from nanoserve.bench import format_table
     from nanoserve.kernels import check_kernels
     header = ['kernel', 'configuration', 'warps', 'registers', 'spills', 'shared KB', 'occupancy', '']
