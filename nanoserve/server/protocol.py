@@ -199,7 +199,8 @@ def _refuse_unsupported(body: _SamplingRequest):
             raise ApiError(400, f'best_of must be at least n, and n at least 1: got best_of {body.best_of}, n {body.n}',
                            'best_of')
         if body.stream and body.best_of > body.n:
-            raise ApiError(400, 'best_of results cannot be streamed: send best_of equal to n, or stream false', 'best_of')
+            message = 'best_of results cannot be streamed: send best_of equal to n, or stream false'
+            raise ApiError(400, message, 'best_of')
     if isinstance(body, ChatCompletionRequest):
         for old, new in [('functions', 'tools'), ('function_call', 'tool_choice')]:
             if {old, new} <= body.model_fields_set:
@@ -658,7 +659,7 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
 
 # %% ../../nbs/14b_protocol.ipynb #14b60002
 def top_choices(choices: list[Choice], best_of: int, n: int) -> list[Choice]:
-    "Of each prompt's `best_of` candidates (consecutive in `choices`), the `n` with the highest logprob sum, best first."
+    "Of each prompt's `best_of` candidates (consecutive), the `n` with the highest logprob sum, best first."
     top = []
     for start in range(0, len(choices), best_of):
         candidates = choices[start:start + best_of]
