@@ -8,7 +8,7 @@ from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 from nanoserve.req import MAX_QUOTED
 from nanoserve.server.protocol import (
-    IGNORED_FIELDS, MAX_ALLOWED_TOKEN_IDS, MAX_GRAMMAR_CHARS, MAX_STOP, MAX_STOP_CHARS, REFUSED_FIELDS,
+    IGNORED_FIELDS, MAX_ALLOWED_TOKEN_IDS, MAX_GRAMMAR_CHARS, MAX_N, MAX_STOP, MAX_STOP_CHARS,
     ChatCompletionRequest, CompletionRequest)
 from nanoserve.testing import ServerProcess, save_tiny_model
 
@@ -100,7 +100,7 @@ def sdk_fields(params) -> set[str]:
 def test_every_field_of_openais_reference_is_known(kind):
     params, model = (completion_params, CompletionRequest) if kind == 'completions' else (chat_params,
                                                                                             ChatCompletionRequest)
-    unknown = sdk_fields(params) - set(model.model_fields) - set(IGNORED_FIELDS) - set(REFUSED_FIELDS)
+    unknown = sdk_fields(params) - set(model.model_fields) - set(IGNORED_FIELDS)
     assert not unknown, unknown
 
 @pytest.mark.parametrize('name', sorted(IGNORED_FIELDS))
@@ -159,3 +159,32 @@ def test_both_forms_of_one_field_are_refused(server):
     assert refused_param(post(server, 'chat/completions', chat(functions=[WEATHER], tools=[tool]))) == 'functions'
     both = chat(tools=[tool], function_call='auto', tool_choice='auto')
     assert refused_param(post(server, 'chat/completions', both)) == 'function_call'
+
+# -- best_of ---------------------------------------------------------------------------------------------------------
+def logprob_sum(choice: dict) -> float: return sum(choice['logprobs']['token_logprobs'])
+
+def test_best_of_returns_the_n_candidates_with_the_highest_logprob_sum(server):
+    "Choice k of a seeded request is seeded seed + k, so `n: 3` with the same seed shows the three candidates."
+    sampled = dict(max_tokens=4, ignore_eos=True, temperature=1.5, seed=11, logprobs=0)
+    candidates = post(server, 'completions', completion(n=3, **sampled)).json()
+    best = post(server, 'completions', completion(n=2, best_of=3, **sampled))
+    assert best.status_code == 200, best.text[:300]
+    ranked = sorted(candidates['choices'], key=logprob_sum, reverse=True)[:2]
+    got = best.json()['choices']
+    assert [c['index'] for c in got] == [0, 1]
+    assert [(c['text'], logprob_sum(c)) for c in got] == [(c['text'], logprob_sum(c)) for c in ranked]
+    assert best.json()['usage']['completion_tokens'] == candidates['usage']['completion_tokens'] == 12
+
+def test_best_of_without_logprobs_answers_without_them(server):
+    body = completion(prompt=['Hello', 'World'], n=1, best_of=2, max_tokens=3, ignore_eos=True, seed=3)
+    r = post(server, 'completions', body)
+    assert r.status_code == 200, r.text[:300]
+    assert [(c['index'], c['logprobs']) for c in r.json()['choices']] == [(0, None), (1, None)]
+    assert r.json()['usage']['completion_tokens'] == 2 * 2 * 3
+
+def test_best_of_below_n_or_streamed_or_too_many_is_refused(server):
+    for body, words in [(completion(n=3, best_of=2), 'best_of must be at least n'),
+                        (completion(best_of=2, stream=True), 'cannot be streamed'),
+                        (completion(best_of=MAX_N + 1), f'best_of must be <= {MAX_N}')]:
+        r = post(server, 'completions', body)
+        assert refused_param(r) == 'best_of' and words in r.json()['error']['message'], r.text[:300]

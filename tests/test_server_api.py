@@ -168,7 +168,7 @@ BAD = [('completions', {'logit_bias': {'x': 1}}, 'logit_bias'), ('completions', 
        ('chat/completions', {'logit_bias': {'-3': 1}}, 'logit_bias'), ('completions', {'allowed_token_ids': []}, 'allowed_token_ids'),
        ('completions', {'allowed_token_ids': [99999]}, 'allowed_token_ids'), ('completions', {'bad_words': ['']}, 'bad_words'),
        ('completions', {'prompt_logprobs': 21}, 'prompt_logprobs'), ('completions', {'echo': True, 'logprobs': 21}, 'logprobs'),
-       ('completions', {'foo': 1}, 'foo'), ('chat/completions', {'functions': [{'name': 'f'}]}, 'functions'),
+       ('completions', {'foo': 1}, 'foo'), ('chat/completions', {'best_of': 2}, 'best_of'),
        ('chat/completions', {'continue_final_message': True}, 'continue_final_message'),
        ('completions', {'stream_options': {'continuous_usage_stats': 'often'}}, 'stream_options')]
 

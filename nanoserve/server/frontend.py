@@ -18,9 +18,10 @@ from ..req import SamplingParams, quoted
 from ..processes import exit_words
 from .messages import (
     AbortReq, ContextLength, DebugReq, ErrorOut, GenerateReq, ReplyOut, TextOut, decode, encode, log, open_socket)
-from .protocol import (
+from nanoserve.server.protocol import (
     MAX_PROMPTS, SSE_DONE, ApiError, ChatCompletionRequest, Choice, CompletionRequest, ResponseFormat, ToolCallStream,
-    ToolCalling, encode_request, sampling_params_from, sse, structured_outputs_from, usage_dict, validation_error)
+    ToolCalling, encode_request, sampling_params_from, sse, structured_outputs_from, top_choices, usage_dict,
+    validation_error)
 if TYPE_CHECKING: from nanoserve.server.launch import Workers
 
 # %% auto #0
@@ -580,6 +581,7 @@ def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_byte
         finally: gen.close()
         choices = [Choice(i) for i in range(len(reqs) * sp.n)]
         for item in items: choices[item.index].add(item)
+        if kind == 'completion' and sp.n > body.n: choices = top_choices(choices, sp.n, body.n)   # best_of
         response = fmt.response(choices, gen.usage(0) if fmt.echo_only else gen.usage())
         if tools is not None and tools.active:
             for choice in response['choices']: tools.answer(choice)

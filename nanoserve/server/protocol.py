@@ -14,12 +14,12 @@ from ..req import MAX_QUOTED, SamplingParams, StructuredOutputsParams, quoted
 from .messages import ErrorOut, GenerateReq, TextOut, encode
 
 # %% auto #0
-__all__ = ['CONTEXT_ERROR', 'MAX_JSON_DEPTH', 'MAX_BODY_DEPTH', 'IGNORED_FIELDS', 'REFUSED_FIELDS', 'MAX_N', 'MAX_PROMPTS',
-           'MAX_STOP', 'MAX_STOP_CHARS', 'MAX_LOGIT_BIAS', 'MAX_ALLOWED_TOKEN_IDS', 'MAX_GRAMMAR_CHARS', 'MAX_TOOLS',
+__all__ = ['CONTEXT_ERROR', 'MAX_JSON_DEPTH', 'MAX_BODY_DEPTH', 'IGNORED_FIELDS', 'MAX_N', 'MAX_PROMPTS', 'MAX_STOP',
+           'MAX_STOP_CHARS', 'MAX_LOGIT_BIAS', 'MAX_ALLOWED_TOKEN_IDS', 'MAX_GRAMMAR_CHARS', 'MAX_TOOLS',
            'MAX_TOOL_CALLS', 'SSE_DONE', 'ApiError', 'error_from_value', 'json_depth', 'StreamOptions',
            'CompletionRequest', 'ChatCompletionRequest', 'sampling_params_from', 'structured_outputs_from',
            'ToolCalling', 'ToolCallStream', 'validation_error', 'encode_request', 'sse', 'Choice', 'ResponseFormat',
-           'usage_dict']
+           'usage_dict', 'top_choices']
 
 # %% ../../nbs/14b_protocol.ipynb #9a9747ae
 class ApiError(Exception):
@@ -92,9 +92,6 @@ IGNORED_FIELDS = {   # OpenAI's request fields with no meaning for a local serve
     'moderation': "OpenAI's moderation of the input and output",
     'suffix': 'text after the completion (fill-in-the-middle); the completion is generated without it',
 }
-REFUSED_FIELDS = {   # OpenAI's request fields this server does not implement: a 400 naming the field when it is set
-    'best_of': 'the n best of best_of completions by their logprobs (refused when it is not n)',
-}
 
 class _SamplingRequest(_BoundedNesting):
     "Fields shared by completions and chat."
@@ -144,7 +141,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False                     # the prompt before the completion (with logprobs: the prompt's too)
-    best_of: int | None = None
+    best_of: int | None = None             # candidates per prompt, of which the n most likely are returned
 
     @property
     def echo_only(self) -> bool:
@@ -191,17 +188,19 @@ MAX_ALLOWED_TOKEN_IDS = 2**18         # allowed_token_ids per request: the large
 MAX_GRAMMAR_CHARS = 100_000           # characters of a schema (as JSON), regex, grammar or the choices together
 
 def _refuse_unsupported(body: _SamplingRequest):
-    "400 for OpenAI's fields whose meaning nanoserve does not implement, and for fields it does not know."
+    "400 for fields no API defines, and for fields whose values exclude each other."
     extra = body.model_extra or {}
-    unknown = [name for name in extra if name not in IGNORED_FIELDS and name not in REFUSED_FIELDS]
+    unknown = [name for name in extra if name not in IGNORED_FIELDS]
     if unknown:
         message = f"{quoted(unknown[0])} is not supported by this server: OpenAI's API has no such field"
         raise ApiError(400, message, unknown[0][:MAX_QUOTED])
-    refused = [(name, value is not None) for name, value in extra.items() if name in REFUSED_FIELDS]
-    if isinstance(body, CompletionRequest):
-        refused += [('best_of', body.best_of not in (None, body.n))]
-    for name, used in refused:
-        if used: raise ApiError(400, f'{name} is not supported by this server ({REFUSED_FIELDS[name]})', name)
+    if isinstance(body, CompletionRequest) and body.best_of is not None:
+        if not 1 <= body.n <= body.best_of:
+            raise ApiError(400, f'best_of must be at least n, and n at least 1: got best_of {body.best_of}, n {body.n}',
+                           'best_of')
+        if body.stream and body.best_of > body.n:
+            message = 'best_of results cannot be streamed: send best_of equal to n, or stream false'
+            raise ApiError(400, message, 'best_of')
     if isinstance(body, ChatCompletionRequest):
         for old, new in [('functions', 'tools'), ('function_call', 'tool_choice')]:
             if {old, new} <= body.model_fields_set:
@@ -213,6 +212,8 @@ def _refuse_unsupported(body: _SamplingRequest):
 def _refuse_oversized(body: _SamplingRequest):
     "400 for more choices, stop strings, ids or bad words than the server takes, or a stop string or bad word too long."
     if body.n > MAX_N: raise ApiError(400, f'n must be <= {MAX_N}, got {body.n}', 'n')
+    best_of = getattr(body, 'best_of', None) or 0
+    if best_of > MAX_N: raise ApiError(400, f'best_of must be <= {MAX_N}, got {best_of}', 'best_of')
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     for name, count, most in [('stop', len(stop), MAX_STOP),
                               ('stop_token_ids', len(body.stop_token_ids or []), MAX_STOP),
@@ -248,9 +249,13 @@ def sampling_params_from(body: CompletionRequest | ChatCompletionRequest,
     prompt_logprobs = body.prompt_logprobs
     if isinstance(body, CompletionRequest) and body.echo and logprobs is not None:   # the echoed prompt's logprobs
         prompt_logprobs = max(logprobs, prompt_logprobs or 0)
+    n = body.n
+    if isinstance(body, CompletionRequest) and body.best_of is not None:
+        n = body.best_of
+        if logprobs is None: logprobs = 0     # candidates are ranked by their tokens' logprobs
     try:
         return SamplingParams(
-            n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
+            n=n, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k in (None, 0) else body.top_k,
             min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
@@ -651,3 +656,13 @@ def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 
     return {'prompt_tokens': prompt_tokens, 'completion_tokens': completion_tokens,
             'total_tokens': prompt_tokens + completion_tokens,
             'prompt_tokens_details': {'cached_tokens': cached_tokens}}
+
+# %% ../../nbs/14b_protocol.ipynb #14b60002
+def top_choices(choices: list[Choice], best_of: int, n: int) -> list[Choice]:
+    "Of each prompt's `best_of` candidates (consecutive), the `n` with the highest logprob sum, best first."
+    top = []
+    for start in range(0, len(choices), best_of):
+        candidates = choices[start:start + best_of]
+        top += sorted(candidates, key=lambda c: sum(entry[2] for entry in c.logprobs), reverse=True)[:n]
+    for index, choice in enumerate(top): choice.index = index
+    return top
