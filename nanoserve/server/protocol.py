@@ -15,7 +15,7 @@ from .messages import ErrorOut, GenerateReq, TextOut, encode
 
 # %% auto #0
 __all__ = ['CONTEXT_ERROR', 'MAX_JSON_DEPTH', 'MAX_BODY_DEPTH', 'IGNORED_FIELDS', 'MAX_N', 'MAX_PROMPTS', 'MAX_STOP',
-           'MAX_STOP_CHARS', 'MAX_LOGIT_BIAS', 'MAX_ALLOWED_TOKEN_IDS', 'MAX_GRAMMAR_CHARS', 'MAX_TOOLS',
+           'MAX_STOP_CHARS', 'MAX_LOGIT_BIAS_ENTRIES', 'MAX_ALLOWED_TOKEN_IDS', 'MAX_GRAMMAR_CHARS', 'MAX_TOOLS',
            'MAX_TOOL_CALLS', 'SSE_DONE', 'ApiError', 'error_from_value', 'json_depth', 'StreamOptions',
            'CompletionRequest', 'ChatCompletionRequest', 'sampling_params_from', 'structured_outputs_from',
            'ToolCalling', 'ToolCallStream', 'validation_error', 'encode_request', 'sse', 'Choice', 'ResponseFormat',
@@ -183,7 +183,7 @@ class ChatCompletionRequest(_SamplingRequest):
 # %% ../../nbs/14b_protocol.ipynb #bc913fe7
 MAX_N, MAX_PROMPTS = 128, 2048
 MAX_STOP, MAX_STOP_CHARS = 64, 1000   # stop strings (and stop token ids) per request; characters per stop string
-MAX_LOGIT_BIAS = 300                  # logit_bias entries per request
+MAX_LOGIT_BIAS_ENTRIES = 300          # logit_bias entries per request (their values: `MAX_LOGIT_BIAS`, chapter 01)
 MAX_ALLOWED_TOKEN_IDS = 2**18         # allowed_token_ids per request: the largest vocabularies' size
 MAX_GRAMMAR_CHARS = 100_000           # characters of a schema (as JSON), regex, grammar or the choices together
 
@@ -218,7 +218,7 @@ def _refuse_oversized(body: _SamplingRequest):
     for name, count, most in [('stop', len(stop), MAX_STOP),
                               ('stop_token_ids', len(body.stop_token_ids or []), MAX_STOP),
                               ('bad_words', len(body.bad_words or []), MAX_STOP),
-                              ('logit_bias', len(body.logit_bias or {}), MAX_LOGIT_BIAS),
+                              ('logit_bias', len(body.logit_bias or {}), MAX_LOGIT_BIAS_ENTRIES),
                               ('allowed_token_ids', len(body.allowed_token_ids or []), MAX_ALLOWED_TOKEN_IDS)]:
         if count > most: raise ApiError(400, f'{name} must have at most {most} entries, got {count}', name)
     for name, texts, kind in [('stop', stop, 'stop strings'), ('bad_words', body.bad_words or [], 'bad words')]:
