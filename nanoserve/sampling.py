@@ -144,9 +144,11 @@ class SamplingBatch(_SamplingTensors):
             self.bias_values = to_device(list(bias_values), device, torch.float32)
         allowed = [i for i, r in enumerate(reqs) if r.sampling_params.allowed_token_ids is not None]
         if allowed:
-            pairs = [(k, t) for k, i in enumerate(allowed) for t in reqs[i].sampling_params.allowed_token_ids]
+            tokens = [torch.tensor(reqs[i].sampling_params.allowed_token_ids, dtype=torch.int64) for i in allowed]
+            counts = torch.tensor([len(ids) for ids in tokens])
+            rows = torch.repeat_interleave(torch.arange(len(allowed)), counts)   # built in C: up to 2**18 ids a row
             self.allowed_rows = to_device(allowed, device, torch.int64)
-            self.allowed_ids = to_device([list(x) for x in zip(*pairs)], device, torch.int64)
+            self.allowed_ids = torch.stack([rows, torch.cat(tokens)]).to(device)
         bans = [(i, word) for i, r in enumerate(reqs) for word in r.sampling_params.bad_words_token_ids
                 if len(word) - 1 <= out_index[i]]
         if not bans: return
