@@ -60,6 +60,33 @@ def test_long_prompt_logprobs_equal_transformers(model_dir):
         top = torch.tensor([[lp for _, lp in e.top] for e in got[1:]])
         torch.testing.assert_close(top, ref[:-1].topk(5, -1).values, atol=1e-4, rtol=0)
 
+def test_scored_prompt_tokens_reach_the_tokenizer_process_step_by_step(tmp_path):
+    """Each step reports only the prompt tokens it scored, in messages as small as its chunk (the tokenizer process turns
+    them into entries meanwhile), and the first output still carries every prompt token's entry."""
+    from transformers import AutoTokenizer
+    from nanoserve.server.messages import GenerateReq, StepOut, encode
+    from nanoserve.server.scheduler import SchedulerWorker
+    from nanoserve.server.tokenizer import TokenizerWorker
+    path = save_tiny_model(tmp_path / 'tok', 'llama', tokenizer=True, max_position_embeddings=2048)
+    tokenizer_worker = TokenizerWorker(AutoTokenizer.from_pretrained(path))
+    chunk = 128
+    engine = Engine(model=str(path), device='cpu', page_size=16, num_pages=128, max_num_batched_tokens=chunk)
+    scheduler_worker = SchedulerWorker(engine)
+    prompt = [(i * 37 + 11) % 400 + 3 for i in range(1000)]
+    params = {'temperature': 0, 'max_tokens': 1, 'prompt_logprobs': 5}
+    assert scheduler_worker.handle(tokenizer_worker.tokenize(GenerateReq('r', params, prompt_ids=prompt))) is None
+    reported, message_bytes, texts = [], [], []
+    while engine.has_unfinished:
+        step = StepOut(scheduler_worker.step())
+        reported += [len(t.prompt_logprobs) for t in step.outputs if t.prompt_logprobs]
+        message_bytes.append(len(encode(step)))
+        texts += tokenizer_worker.detokenize(step)[0].outputs
+    assert sum(reported) == len(prompt) - 1 and max(reported) <= chunk, reported     # each entry once, as scored
+    assert max(message_bytes) < 2 * min(message_bytes[:-1]), message_bytes     # no step carries the whole prompt
+    entries = texts[0].prompt_logprobs
+    assert [e[0] for e in entries] == prompt and entries[0][2] is None
+    assert all(len(e[3]) == 5 and e[1] == tokenizer_worker.token_str(e[0]) for e in entries[1:])
+
 @pytest.fixture(scope='module')
 def server(tmp_path_factory):
     path = save_tiny_model(tmp_path_factory.mktemp('models') / 'served', 'llama', tokenizer=True,
