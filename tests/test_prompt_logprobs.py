@@ -123,3 +123,30 @@ def test_long_prompt_with_20_prompt_logprobs_beside_a_stream(server):
     beside = sum(start <= t <= end for t in stream_times)
     steps = 1500 // 32                                     # the server's steps carry 32 tokens on a CPU (chapter 15a)
     assert beside >= steps // 2, (beside, steps)      # the stream was not held back while the prompt was scored
+
+def test_answer_with_prompt_logprobs_is_not_walked_again_by_fastapis_encoder(monkeypatch):
+    """The API server builds its answer as plain JSON; FastAPI's `jsonable_encoder` (pure Python, a second for 7,000
+    prompt tokens with their top 20, on the event loop every stream shares) never walks it again."""
+    import fastapi.routing
+    from fastapi.testclient import TestClient
+    from nanoserve.server.frontend import Frontend, build_app
+    from nanoserve.server.messages import TextOut
+    frontend = Frontend('tiny', {}, info={'path': '/models/tiny', 'max_model_len': 512})
+    entries = [[5, 'a', None, []]] + [[5, 'a', -1.0, [[6, 'b', -0.5], [5, 'a', -1.0]]] for _ in range(300)]
+    def answer(msg, data=None):      # the tokenizer and scheduler processes, stood in for: one choice, one token
+        out = TextOut(msg.rid, 0, 'b', [6], None, 'length', None, 301, 0, prompt_logprobs=entries)
+        frontend.routes[msg.rid].feed(out)
+    monkeypatch.setattr(frontend, 'send', answer)
+    walked = []
+    encoder = fastapi.routing.jsonable_encoder
+    def counting(obj, *args, **kwargs):
+        if isinstance(obj, dict) and 'choices' in obj: walked.append(obj)
+        return encoder(obj, *args, **kwargs)
+    monkeypatch.setattr(fastapi.routing, 'jsonable_encoder', counting)
+    body = {'model': 'tiny', 'prompt': [5] * 301, 'max_tokens': 1, 'prompt_logprobs': 2}
+    r = TestClient(build_app(frontend)).post('/v1/completions', json=body)
+    assert r.status_code == 200, r.text[:200]
+    plp = r.json()['choices'][0]['prompt_logprobs']
+    assert len(plp) == 301 and plp[0] is None and plp[1] == {'5': {'logprob': -1.0, 'decoded_token': 'a'},
+                                                              '6': {'logprob': -0.5, 'decoded_token': 'b'}}
+    assert walked == []
