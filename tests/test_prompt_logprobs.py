@@ -61,8 +61,8 @@ def test_long_prompt_logprobs_equal_transformers(model_dir):
         torch.testing.assert_close(top, ref[:-1].topk(5, -1).values, atol=1e-4, rtol=0)
 
 def test_scored_prompt_tokens_reach_the_tokenizer_process_step_by_step(tmp_path):
-    """Each step reports only the prompt tokens it scored, in messages as small as its chunk (the tokenizer process turns
-    them into entries meanwhile), and the first output still carries every prompt token's entry."""
+    """Each step reports only the prompt tokens it scored, in messages as small as its chunk (the tokenizer process
+    turns them into entries meanwhile), and the first output still carries every prompt token's entry."""
     from transformers import AutoTokenizer
     from nanoserve.server.messages import GenerateReq, StepOut, encode
     from nanoserve.server.scheduler import SchedulerWorker
