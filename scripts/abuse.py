@@ -16,8 +16,10 @@ reset, three times: the RSS of all the server's processes before and after each)
 results, tool-call arguments and role hold the tiny tokenizer's special-token text `<s>` / `</s>`: the status of each,
 and whether the prompt's control tokens are the template's own, counted from the ids that `prompt_logprobs` returns),
 deep (a chat whose JSON schema nests 300 objects deep: its status, seconds and the log lines it wrote), plp (not in
-the default set: a context of 4096, a 3,000-token prompt with prompt_logprobs 20 beside a stream: its seconds, the
-stream's median and worst gap).
+the default set: a prompt of `--plp-len` tokens, 3,000 unless told, with prompt_logprobs 20 beside a stream, in a
+context of the prompt plus 1,192 tokens, at least 4096: its seconds, the stream's median and worst gap):
+
+    python scripts/abuse.py plp --plp-len 7000      # a context of 8192
 With `--data-parallel-size N` the server is `nanoserve serve --data-parallel-size N` (chapter 17) and the RSS is that
 of its whole process tree (Ray's processes, the replicas and their workers). A server whose processes grow past
 `--rss-cap-gb` together is killed (the case then reads 'killed'): the machine is shared.
@@ -166,7 +168,7 @@ def server_pids(s: ServerProcess, replicas: bool) -> dict:
     root = psutil.Process(s.proc.pid)
     return {f'{p.name()}-{p.pid}': p.pid for p in [root, *root.children(recursive=True)]}
 
-def run_case(name: str, s: ServerProcess, watch: Watch, headers: dict) -> dict:
+def run_case(name: str, s: ServerProcess, watch: Watch, headers: dict, plp_len: int = 3000) -> dict:
     url = s.url
     if name == 'storm': return storm_rounds(s, watch, headers)
     if name in ('body20', 'body100'):
@@ -216,7 +218,7 @@ def run_case(name: str, s: ServerProcess, watch: Watch, headers: dict) -> dict:
     if name == 'forge': return forge(s, headers)
     if name in LIMIT_CASES: return LIMIT_CASES[name](url, headers)
     if name == 'deep': return deep_schema(url, headers, s)
-    if name == 'plp': return prompt_logprobs_beside_a_stream(url, headers)
+    if name == 'plp': return prompt_logprobs_beside_a_stream(url, headers, plp_len)
     raise ValueError(name)
 
 def bad_words_case(url: str, headers: dict) -> dict:
@@ -334,18 +336,19 @@ def main():
                                                 *LIMIT_CASES, 'forge', 'deep'])
     p.add_argument('--serve', default='{}', help="run_server's extra arguments, as JSON")
     p.add_argument('--rss-cap-gb', type=float, default=5.0)
+    p.add_argument('--plp-len', type=int, default=3000, help="plp: the prompt's length in tokens")
     p.add_argument('--data-parallel-size', type=int, default=None,
                    help='serve N replicas on Ray Serve (`nanoserve serve --data-parallel-size N`) instead of one engine')
     args = p.parse_args()
     serve = json.loads(args.serve)
-    long_context = {'max_position_embeddings': 4096} if 'plp' in args.cases else {}
+    long_context = {'max_position_embeddings': max(4096, args.plp_len + 1192)} if 'plp' in args.cases else {}
     model = save_tiny_model(tempfile.mkdtemp() + '/tiny', 'llama', tokenizer=True, **long_context)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     for name in args.cases:
         if name == 'fd-limit': resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))   # the server inherits it
         log = open(tempfile.mkstemp(suffix='.log')[1], 'w')
         replicas = dict(cli=True, data_parallel_size=args.data_parallel_size) if args.data_parallel_size else {}
-        engine = {**ENGINE, 'num_pages': 1100} if name == 'plp' else ENGINE     # plp: 4,400 KV slots
+        engine = {**ENGINE, 'num_pages': (args.plp_len + 1400) // 4} if name == 'plp' else ENGINE  # the prompt + 1,400
         s = ServerProcess(str(model), served_model_name='tiny', stderr=log, **replicas, **engine,
                           **CASE_SERVE.get(name, {}), **serve).start()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
@@ -355,7 +358,7 @@ def main():
         time.sleep(1)
         with Watch(pids, args.rss_cap_gb * 1024) as watch:
             before = watch.now()
-            result = run_case(name, s, watch, headers)
+            result = run_case(name, s, watch, headers, args.plp_len)
             time.sleep(3)
             after = watch.now()
         alive = s.proc.poll() is None and not watch.killed

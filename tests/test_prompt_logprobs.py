@@ -60,6 +60,33 @@ def test_long_prompt_logprobs_equal_transformers(model_dir):
         top = torch.tensor([[lp for _, lp in e.top] for e in got[1:]])
         torch.testing.assert_close(top, ref[:-1].topk(5, -1).values, atol=1e-4, rtol=0)
 
+def test_scored_prompt_tokens_reach_the_tokenizer_process_step_by_step(tmp_path):
+    """Each step reports only the prompt tokens it scored, in messages as small as its chunk (the tokenizer process
+    turns them into entries meanwhile), and the first output still carries every prompt token's entry."""
+    from transformers import AutoTokenizer
+    from nanoserve.server.messages import GenerateReq, StepOut, encode
+    from nanoserve.server.scheduler import SchedulerWorker
+    from nanoserve.server.tokenizer import TokenizerWorker
+    path = save_tiny_model(tmp_path / 'tok', 'llama', tokenizer=True, max_position_embeddings=2048)
+    tokenizer_worker = TokenizerWorker(AutoTokenizer.from_pretrained(path))
+    chunk = 128
+    engine = Engine(model=str(path), device='cpu', page_size=16, num_pages=128, max_num_batched_tokens=chunk)
+    scheduler_worker = SchedulerWorker(engine)
+    prompt = [(i * 37 + 11) % 400 + 3 for i in range(1000)]
+    params = {'temperature': 0, 'max_tokens': 1, 'prompt_logprobs': 5}
+    assert scheduler_worker.handle(tokenizer_worker.tokenize(GenerateReq('r', params, prompt_ids=prompt))) is None
+    reported, message_bytes, texts = [], [], []
+    while engine.has_unfinished:
+        step = StepOut(scheduler_worker.step())
+        reported += [len(t.prompt_logprobs) for t in step.outputs if t.prompt_logprobs]
+        message_bytes.append(len(encode(step)))
+        texts += tokenizer_worker.detokenize(step)[0].outputs
+    assert sum(reported) == len(prompt) - 1 and max(reported) <= chunk, reported     # each entry once, as scored
+    assert max(message_bytes) < 2 * min(message_bytes[:-1]), message_bytes     # no step carries the whole prompt
+    entries = texts[0].prompt_logprobs
+    assert [e[0] for e in entries] == prompt and entries[0][2] is None
+    assert all(len(e[3]) == 5 and e[1] == tokenizer_worker.token_str(e[0]) for e in entries[1:])
+
 @pytest.fixture(scope='module')
 def server(tmp_path_factory):
     path = save_tiny_model(tmp_path_factory.mktemp('models') / 'served', 'llama', tokenizer=True,
@@ -96,3 +123,30 @@ def test_long_prompt_with_20_prompt_logprobs_beside_a_stream(server):
     beside = sum(start <= t <= end for t in stream_times)
     steps = 1500 // 32                                     # the server's steps carry 32 tokens on a CPU (chapter 15a)
     assert beside >= steps // 2, (beside, steps)      # the stream was not held back while the prompt was scored
+
+def test_answer_with_prompt_logprobs_is_not_walked_again_by_fastapis_encoder(monkeypatch):
+    """The API server builds its answer as plain JSON; FastAPI's `jsonable_encoder` (pure Python, a second for 7,000
+    prompt tokens with their top 20, on the event loop every stream shares) never walks it again."""
+    import fastapi.routing
+    from fastapi.testclient import TestClient
+    from nanoserve.server.frontend import Frontend, build_app
+    from nanoserve.server.messages import TextOut
+    frontend = Frontend('tiny', {}, info={'path': '/models/tiny', 'max_model_len': 512})
+    entries = [[5, 'a', None, []]] + [[5, 'a', -1.0, [[6, 'b', -0.5], [5, 'a', -1.0]]] for _ in range(300)]
+    def answer(msg, data=None):      # the tokenizer and scheduler processes, stood in for: one choice, one token
+        out = TextOut(msg.rid, 0, 'b', [6], None, 'length', None, 301, 0, prompt_logprobs=entries)
+        frontend.routes[msg.rid].feed(out)
+    monkeypatch.setattr(frontend, 'send', answer)
+    walked = []
+    encoder = fastapi.routing.jsonable_encoder
+    def counting(obj, *args, **kwargs):
+        if isinstance(obj, dict) and 'choices' in obj: walked.append(obj)
+        return encoder(obj, *args, **kwargs)
+    monkeypatch.setattr(fastapi.routing, 'jsonable_encoder', counting)
+    body = {'model': 'tiny', 'prompt': [5] * 301, 'max_tokens': 1, 'prompt_logprobs': 2}
+    r = TestClient(build_app(frontend)).post('/v1/completions', json=body)
+    assert r.status_code == 200, r.text[:200]
+    plp = r.json()['choices'][0]['prompt_logprobs']
+    assert len(plp) == 301 and plp[0] is None and plp[1] == {'5': {'logprob': -1.0, 'decoded_token': 'a'},
+                                                              '6': {'logprob': -0.5, 'decoded_token': 'b'}}
+    assert walked == []

@@ -12,7 +12,7 @@ import zmq
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..req import SamplingParams, quoted
 from ..processes import exit_words
@@ -585,7 +585,7 @@ def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_byte
         response = fmt.response(choices, gen.usage(0) if fmt.echo_only else gen.usage())
         if tools is not None and tools.active:
             for choice in response['choices']: tools.answer(choice)
-        return response
+        return JSONResponse(response)     # already plain JSON: FastAPI's encoder would walk every prompt logprob again
 
     @app.post('/v1/completions')
     async def completions(body: CompletionRequest, request: Request):

@@ -92,8 +92,8 @@ class TokenOut:
     finish_reason: str | None             # 'stop', 'length', 'abort' or None while running
     prompt_len: int
     cached_len: int                       # prompt tokens found in the prefix cache
-    prompt_logprobs: list | None = None   # with a choice's first tokens, when asked: per prompt token after the first
-                                          # [logprob, [[top id, logprob], ...]]
+    prompt_logprobs: list | None = None   # when asked: the prompt tokens scored since the last `TokenOut` (before
+                                          # the first token too), each [logprob, [[top id, logprob], ...]]
 
 @message
 class ErrorOut:

@@ -45,6 +45,7 @@ class SchedulerWorker:
         self.engine = engine
         self.choices: dict[str, list] = {}     # rid -> the engine uids of its unfinished choices
         self.sent: dict = {}                   # engine uid -> output tokens already reported
+        self.scoring: dict = {}                # engine uid -> [its request, prompt logprobs entries already reported]
         self.generated_tokens = self.aborted = self.steps = 0      # totals, for metrics and tests
         self.integrity, self.integrity_violations = 'ok', 0
         self.integrity_check = integrity_mode(integrity_check)
@@ -67,8 +68,9 @@ class SchedulerWorker:
         uids = []
         try:
             for k, choice_params in enumerate(SamplingParams(**msg.params).per_choice()):
-                self.engine.add_request((msg.rid, k), msg.input_ids, choice_params)
+                req = self.engine.add_request((msg.rid, k), msg.input_ids, choice_params)
                 uids.append((msg.rid, k))
+                if choice_params.prompt_logprobs is not None: self.scoring[(msg.rid, k)] = [req, 1]   # the first: None
         except Exception as e:
             for uid in uids: self.engine.abort(uid)
             if isinstance(e, ValueError): return error_from_value(msg.rid, e)
@@ -90,6 +92,7 @@ class SchedulerWorker:
         self.choices[rid].remove(uid)
         if not self.choices[rid]: del self.choices[rid]
         self.sent.pop(uid, None)
+        self.scoring.pop(uid, None)
 
     def debug(self, msg: DebugReq):
         "Apply an injected fault; ignored unless the worker was made with `debug_hooks`."
@@ -105,7 +108,8 @@ class SchedulerWorker:
         self._checked = False
         if self.step_delay: time.sleep(self.step_delay)
         outs = []
-        for req in self.engine.step():
+        advanced = self.engine.step()
+        for req in advanced:
             if req.uid not in self.sent: continue
             start = self.sent[req.uid]
             new = req.output_ids[start:]
@@ -113,14 +117,26 @@ class SchedulerWorker:
             if req.sampling_params.logprobs is not None: logprobs = _wire(req.output_logprobs[start:start + len(new)])
             finish = req.finish_reason.value if req.finish_reason is not None else None
             out = TokenOut(req.uid[0], req.uid[1], new, logprobs, finish, req.prompt_len, req.num_cached_tokens)
-            if start == 0 and req.sampling_params.prompt_logprobs is not None:   # complete once the first token is
-                out.prompt_logprobs = _wire(req.prompt_logprobs[1:])
+            out.prompt_logprobs = self._new_prompt_logprobs(req.uid)
             outs.append(out)
             self.sent[req.uid] = start + len(new)
             self.generated_tokens += len(new)
             if finish is not None: self._done(req.uid)
+        tokened = {req.uid for req in advanced}
+        for uid, (req, _) in list(self.scoring.items()):
+            if uid in tokened: continue
+            scored = self._new_prompt_logprobs(uid)      # still in prefill: the prompt tokens it scored this step
+            if scored: outs.append(TokenOut(uid[0], uid[1], [], None, None, req.prompt_len, 0, scored))
         self.steps += 1
         return outs
+
+    def _new_prompt_logprobs(self, uid) -> list | None:
+        "The prompt logprobs entries a choice scored since they were last reported, each reported once."
+        if uid not in self.scoring: return None
+        req, reported = self.scoring[uid]
+        self.scoring[uid][1] = len(req.prompt_logprobs)
+        if len(req.prompt_logprobs) == req.prompt_len: del self.scoring[uid]     # all scored
+        return _wire(req.prompt_logprobs[reported:])
 
     @property
     def busy(self) -> bool: return self.engine.has_unfinished

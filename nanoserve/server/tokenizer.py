@@ -73,6 +73,7 @@ class _TokenizerIn:
         self.params: dict[str, SamplingParams] = {}
         self.prompts: dict[str, tuple[list[int], str | None]] = {}   # rid -> its prompt ids, and its text if echoed
         self._token_strs: dict[int, str] = {}
+        self.prompt_entries: dict[tuple, list] = {}   # (rid, index) -> its prompt logprobs entries, until its first out
         self._fail_next: int | None = None             # injected: the next request fails past this many tokens
         self._failing: dict[str, int] = {}             # injected: rid -> the tokens past which detokenizing it fails
         self.max_token_chars = max_token_chars(tokenizer)
@@ -143,7 +144,9 @@ class _TokenizerIn:
 
     def forget(self, rid: str, index: int = -1):
         "Drop the state of a request (or of one of its choices)."
-        for key in [k for k in self.detoks if k[0] == rid and index in (-1, k[1])]: del self.detoks[key]
+        for key in [k for k in self.detoks if k[0] == rid and index in (-1, k[1])]:
+            del self.detoks[key]
+            self.prompt_entries.pop(key, None)
         if any(k[0] == rid for k in self.detoks): return
         self.params.pop(rid, None)
         self.prompts.pop(rid, None)
@@ -171,7 +174,11 @@ class TokenizerWorker(_TokenizerIn):
         outs, errors, aborts = [], [], []
         for t in step.outputs:
             if (t.rid, t.index) not in self.detoks: continue     # aborted, ended by a stop string, or failed
-            try: out = self.text_out(t)
+            try:
+                if not t.token_ids and t.finish_reason is None:     # the prompt scored so far: kept for the first out
+                    self.add_prompt_logprobs(t)
+                    continue
+                out = self.text_out(t)
             except Exception as e:    # this request's failure, not the server's: end it alone, keep serving the others
                 log(f'tokenizer: detokenizing request {t.rid} failed, ending it:\n{traceback.format_exc()}', 'error')
                 message = f'internal error while detokenizing the output: {type(e).__name__}: {e}'
@@ -203,15 +210,24 @@ class TokenizerWorker(_TokenizerIn):
             logprobs = [self._logprob_entry(token, logprob, top)
                         for token, (logprob, top) in zip(t.token_ids, t.logprobs)]
         out = TextOut(t.rid, t.index, text, t.token_ids, logprobs, finish, stop_reason, t.prompt_len, t.cached_len)
-        if first and t.rid in self.prompts: self.add_prompt(out, t.prompt_logprobs)
+        if first and t.rid in self.prompts: self.add_prompt(out, t)
         return out
 
-    def add_prompt(self, out: TextOut, prompt_logprobs: list | None):
+    def add_prompt_logprobs(self, t: TokenOut):
+        "Turn a choice's newly scored prompt tokens into entries (with token strings) as they come, step by step."
+        if t.prompt_logprobs is None or t.rid not in self.prompts: return
+        ids = self.prompts[t.rid][0]
+        entries = self.prompt_entries.setdefault((t.rid, t.index), [self._logprob_entry(ids[0], None, [])])
+        start = len(entries)
+        entries += [self._logprob_entry(token, logprob, top)
+                    for token, (logprob, top) in zip(ids[start:], t.prompt_logprobs)]
+
+    def add_prompt(self, out: TextOut, t: TokenOut):
         "Put the echoed prompt text and the prompt logprobs (with token strings) on a choice's first output."
-        ids, out.prompt_text = self.prompts[out.rid]
-        if prompt_logprobs is None: return
-        out.prompt_logprobs = [self._logprob_entry(ids[0], None, [])] + [       # the first token has no logprob
-            self._logprob_entry(token, logprob, top) for token, (logprob, top) in zip(ids[1:], prompt_logprobs)]
+        out.prompt_text = self.prompts[out.rid][1]
+        if t.prompt_logprobs is None and (t.rid, t.index) not in self.prompt_entries: return
+        self.add_prompt_logprobs(t)
+        out.prompt_logprobs = self.prompt_entries.pop((t.rid, t.index))
 
 # %% ../../nbs/14c_tokenizer.ipynb #c3a7e3af
 def run_tokenizer_process(ready: Connection,        # says 'ready' (with its pid, `max_token_chars`) once listening
