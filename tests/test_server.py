@@ -234,7 +234,7 @@ BAD = [  # (endpoint, body changes, status, param or None, words in the message)
     ('completions', {'prompt': 'hello ' * 1000}, 400, 'prompt', 'maximum context length'),
     ('completions', {'max_tokens': 5000}, 400, 'prompt', 'maximum context length'),
     ('completions', {'model': 'gpt-4'}, 404, 'model', 'does not exist'),
-    ('completions', {'suffix': '.'}, 400, 'suffix', 'not supported'),
+    ('completions', {'best_of': 1, 'n': 2}, 400, 'best_of', 'best_of'),
     ('completions', {'logit_bias': {'5': 101}}, 400, 'logit_bias', 'logit_bias'),
     ('completions', {'frobnicate': 1}, 400, 'frobnicate', 'not supported'),
     ('chat/completions', {'messages': []}, 400, 'messages', 'messages'),
