@@ -171,7 +171,8 @@ class EngineReplica:
         "What Ray Serve hands the routers every period: its processes, why it cannot serve, its metrics."
         return {'pids': {'replica': os.getpid(), **self.workers.pids()},
                 'node': ray.get_runtime_context().get_node_id(),
-                'unavailable': self.frontend.unavailable(), 'stats': self.frontend.stats,
+                'unavailable': self.frontend.unavailable(),
+                'stats': {**self.frontend.stats, 'open_requests': len(self.frontend.routes)},   # requests inside it
                 'metrics': self.frontend.metrics.render().decode()}
 
     def check_health(self):

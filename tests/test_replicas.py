@@ -349,6 +349,9 @@ def _frozen_requests(server, client, replica: str, prompt: str, count: int = 3) 
     threads = [threading.Thread(target=ask, args=(k,)) for k in range(count)]
     for t in threads: t.start()
     wait_until(lambda: _open_requests(server) == count, f'{count} requests open', 30)
+    # open at the endpoint is not yet inside the replica: one Ray Serve has not handed over is routed to a live replica
+    inside = lambda: server.state()['stats'].get(replica, {}).get('open_requests') == count
+    wait_until(inside, f'{count} requests open in replica {replica}', 30)
     return results, threads
 
 def _replaced(server, client, llm, gone: str):
