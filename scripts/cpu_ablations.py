@@ -50,6 +50,7 @@ def use(engine, cpu, reference, products, name):
     model.use_ops(small._replace(linear=products[kind]))
 
 def main(batch: int = 32, rounds: int = 6, json_path: str | None = None):
+    env = environment()   # at the start: the load of the machine's other work, not of this run
     engine = make_engine(EngineConfig(model=str(smollm2_path()), enable_overlap=False))
     rng = random.Random(0)
     for i in range(batch):
@@ -78,7 +79,7 @@ def main(batch: int = 32, rounds: int = 6, json_path: str | None = None):
         rows.append(dict(variant=name, median_ms=1e3 * t, ratio=t / base, step_ms=[1e3 * x for x in times[name]]))
         print(f'{name:48s} {1e3 * t:7.1f} ms  x{t / base:.2f}')
     if json_path:
-        result = dict(kind='cpu-ablations', batch_size=batch, rounds=rounds, variants=rows, environment=environment(),
+        result = dict(kind='cpu-ablations', batch_size=batch, rounds=rounds, variants=rows, environment=env,
                       command=f'python scripts/cpu_ablations.py {batch}')
         with open(json_path, 'w') as f: json.dump(result, f, indent=1)
 
