@@ -271,7 +271,7 @@ def _check_kernels(args: argparse.Namespace) -> int:
     os.environ.pop('TRITON_INTERPRET', None)
     from nanoserve.bench import format_table
     from nanoserve.kernels import check_kernels
-    header = ['kernel', 'configuration', 'warps', 'registers', 'spills', 'shared KB', 'occupancy', '']
+    header = ['kernel', 'configuration', 'warps', 'registers', 'spills', 'shared KB', 'occupancy', 'verdict']
     failed = False
     for arch in args.arch or ['sm_90']:
         rows = check_kernels(arch, args.workers)
