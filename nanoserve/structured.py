@@ -178,7 +178,7 @@ def apply_token_bitmask(logits: torch.Tensor,    # [B, V], changed in place
                         bitmask: torch.Tensor,   # [B, ceil(V / 32)] int32: bit j of row i set allows token j there
                         rows: Sequence[int]):    # the rows to mask
     "Set to `-inf` the logits of `rows` whose tokens the bitmask does not allow."
-    if logits.device.type == 'cpu' and logits.dtype == torch.float32:   # xgrammar's C++ kernel: 20x faster on a CPU
+    if logits.device.type == 'cpu' and logits.dtype == torch.float32:   # xgrammar's C++ kernel: faster on a CPU
         return _xgrammar().apply_token_bitmask_inplace(logits, bitmask, indices=list(rows))
     index = to_device(list(rows), logits.device, torch.int64)
     allowed = unpack_bitmask(to_device(bitmask, logits.device)[index], logits.shape[-1])
