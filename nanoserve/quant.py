@@ -247,6 +247,13 @@ class QuantizedWeight(nn.Module):
         raise TypeError(f'{getattr(func, "__name__", func)} on a QuantizedWeight: only F.linear and F.embedding '
                         '(without max_norm) compute from the blocks; call .dequantize() for the fp32 weight')
 
+    def _apply(self, fn, recurse=True):
+        "Follow the model's moves (`.to(device)`, `.cuda()`) but never cast the blocks: their dtypes are the format."
+        as_bits = {torch.float16: torch.int16, torch.float32: torch.int32}   # the same bytes, not a float to cast
+        self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype              # a cast model's rows come out in its dtype
+        keep_dtype = lambda t: fn(t.view(as_bits[t.dtype])).view(t.dtype) if t.dtype in as_bits else fn(t)
+        return super()._apply(keep_dtype, recurse)
+
     def extra_repr(self) -> str:
         route = self.kernel or f'dequantized {self.rows_per_chunk} rows at a time'
         return f'{self.quant_type} {self.shape[0]} x {self.shape[1]}, linear: {route}'
