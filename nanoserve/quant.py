@@ -81,27 +81,29 @@ def _q4_k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     mn = torch.cat([mid & 63, (high >> 4) | ((mid >> 6) << 4)], dim=-1)
     return sc, mn
 
-def _dequantize_q8_0(b: dict) -> torch.Tensor: return b['qs'].float() * b['d'].float()[..., None]
+def _dequantize_q8_0(blocks: dict) -> torch.Tensor:
+    return blocks['qs'].float() * blocks['d'].float()[..., None]
 
-def _dequantize_q4_0(b: dict) -> torch.Tensor: return b['d'].float()[..., None] * (_nibbles(b['qs']).float() - 8)
+def _dequantize_q4_0(blocks: dict) -> torch.Tensor:
+    return blocks['d'].float()[..., None] * (_nibbles(blocks['qs']).float() - 8)
 
-def _dequantize_q4_1(b: dict) -> torch.Tensor:
-    return b['d'].float()[..., None] * _nibbles(b['qs']).float() + b['m'].float()[..., None]
+def _dequantize_q4_1(blocks: dict) -> torch.Tensor:
+    return blocks['d'].float()[..., None] * _nibbles(blocks['qs']).float() + blocks['m'].float()[..., None]
 
-def _dequantize_q4_k(b: dict) -> torch.Tensor:
-    rows, blocks = b['d'].shape
-    sc, mn = _q4_k_scales(b['scales'])
-    q = _nibbles(b['qs'].view(rows, blocks, 4, 32)).view(rows, blocks, 8, 32).float()
-    scale = b['d'].float()[..., None] * sc.float()
-    offset = b['dmin'].float()[..., None] * mn.float()
+def _dequantize_q4_k(blocks: dict) -> torch.Tensor:
+    rows, per_row = blocks['d'].shape
+    sc, mn = _q4_k_scales(blocks['scales'])
+    q = _nibbles(blocks['qs'].view(rows, per_row, 4, 32)).view(rows, per_row, 8, 32).float()
+    scale = blocks['d'].float()[..., None] * sc.float()
+    offset = blocks['dmin'].float()[..., None] * mn.float()
     return scale[..., None] * q - offset[..., None]
 
-def _dequantize_q6_k(b: dict) -> torch.Tensor:
-    rows, blocks = b['d'].shape
-    low = _nibbles(b['ql'].view(rows, blocks, 2, 64))                                            # [.., 2, 128]
-    high = torch.cat([(b['qh'].view(rows, blocks, 2, 32) >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-1)
-    q = (low | (high << 4)).view(rows, blocks, 16, 16).float() - 32
-    return (b['d'].float()[..., None] * b['scales'].float())[..., None] * q
+def _dequantize_q6_k(blocks: dict) -> torch.Tensor:
+    rows, per_row = blocks['d'].shape
+    low = _nibbles(blocks['ql'].view(rows, per_row, 2, 64))                                # [.., 2, 128]
+    high = torch.cat([(blocks['qh'].view(rows, per_row, 2, 32) >> shift) & 3 for shift in (0, 2, 4, 6)], dim=-1)
+    q = (low | (high << 4)).view(rows, per_row, 16, 16).float() - 32
+    return (blocks['d'].float()[..., None] * blocks['scales'].float())[..., None] * q
 
 DEQUANTIZERS = {'Q8_0': _dequantize_q8_0, 'Q4_0': _dequantize_q4_0, 'Q4_1': _dequantize_q4_1,
                 'Q4_K': _dequantize_q4_k, 'Q6_K': _dequantize_q6_k, 'int8': _dequantize_q8_0, 'int4': _dequantize_q4_1}
@@ -165,16 +167,16 @@ def quantize_int4(weight: torch.Tensor,     # [rows, cols], any float dtype
 _FOUR_BIT = ('Q4_0', 'Q4_1', 'Q4_K', 'int4')
 _INT4PACK_GROUPS = (32, 64, 128, 256)
 
-def _four_bit_affine(quant_type: str, b: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def _four_bit_affine(quant_type: str, blocks: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     "A 4-bit format as `w = (q - 8) * scale + zero`: q [rows, cols] in 0..15, scale and zero per group, group size."
-    rows = b['d'].shape[0]
+    rows = blocks['d'].shape[0]
     if quant_type == 'Q4_K':
-        sc, mn = _q4_k_scales(b['scales'])
-        q = _nibbles(b['qs'].view(rows, -1, 4, 32)).reshape(rows, -1)
-        scale = (b['d'].float()[..., None] * sc.float()).reshape(rows, -1)
-        return q, scale, 8 * scale - (b['dmin'].float()[..., None] * mn.float()).reshape(rows, -1), 32
-    q, scale = _nibbles(b['qs']), b['d'].float()
-    zero = torch.zeros_like(scale) if quant_type == 'Q4_0' else b['m'].float() + 8 * scale
+        sc, mn = _q4_k_scales(blocks['scales'])
+        q = _nibbles(blocks['qs'].view(rows, -1, 4, 32)).reshape(rows, -1)
+        scale = (blocks['d'].float()[..., None] * sc.float()).reshape(rows, -1)
+        return q, scale, 8 * scale - (blocks['dmin'].float()[..., None] * mn.float()).reshape(rows, -1), 32
+    q, scale = _nibbles(blocks['qs']), blocks['d'].float()
+    zero = torch.zeros_like(scale) if quant_type == 'Q4_0' else blocks['m'].float() + 8 * scale
     return q.reshape(rows, -1), scale, zero, q.shape[-1]
 
 class QuantizedWeight(nn.Module):
