@@ -207,22 +207,25 @@ class QuantizedWeight(nn.Module):
         self.field_names = tuple(blocks)
         for name, values in blocks.items(): self.register_buffer(name, values)
         self.shape = (blocks[self.field_names[0]].shape[0], self.dequantize(slice(0, 1)).shape[1])
-        self.kernel = self._pack()
+        self.kernel = self._kernel()
 
-    def _pack(self) -> str | None:
-        "Pack the blocks for a torch kernel where one applies; the kernel's name, or None (dequantize in chunks)."
-        rows, cols = self.shape
+    def _kernel(self) -> str | None:
+        "The torch kernel that takes these blocks on a CPU, or None (dequantize in chunks)."
         if self.quant_type == 'int8' and self.qs.shape[1] == 1: return 'int8pack'
-        if self.quant_type not in _FOUR_BIT or rows % 16: return None
-        q, scale, zero, group_size = _four_bit_affine(self.quant_type, self._fields(slice(None)))
-        if group_size not in _INT4PACK_GROUPS: return None
-        self.group_size = group_size
-        # the CPU packing comes out the same for any inner k tiles; 2 is as good as another
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
-        self.register_buffer('packed', packed, persistent=False)
-        scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()   # [groups, rows, 2]
-        self.register_buffer('scales_and_zeros', scales_and_zeros, persistent=False)
-        return 'int4pack'
+        if self.quant_type not in _FOUR_BIT or self.shape[0] % 16: return None
+        group_size = 32 if self.quant_type == 'Q4_K' else 2 * self.qs.shape[-1]
+        return 'int4pack' if group_size in _INT4PACK_GROUPS else None
+
+    def _int4pack(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        "The blocks packed for the int4 kernel (on first use: a model whose products run elsewhere never packs them)."
+        if not hasattr(self, 'packed'):
+            q, scale, zero, self.group_size = _four_bit_affine(self.quant_type, self._fields(slice(None)))
+            # the CPU packing comes out the same for any inner k tiles; 2 is as good as another
+            self.register_buffer('packed', torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2),
+                                 persistent=False)
+            scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()   # [groups, rows, 2]
+            self.register_buffer('scales_and_zeros', scales_and_zeros, persistent=False)
+        return self.packed, self.scales_and_zeros, self.group_size
 
     def _fields(self, rows) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name)[rows] for name in self.field_names}
@@ -237,8 +240,8 @@ class QuantizedWeight(nn.Module):
         x2d = x.reshape(-1, cols).contiguous()
         kernel = self.kernel if x.device.type == 'cpu' else None
         if kernel == 'int4pack':
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, self.packed, self.group_size,
-                                                           self.scales_and_zeros.to(x.dtype))
+            packed, scales_and_zeros, group_size = self._int4pack()
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, packed, group_size, scales_and_zeros.to(x.dtype))
         elif kernel == 'int8pack':
             y = torch.ops.aten._weight_int8pack_mm(x2d, self.qs.view(rows, cols), self.d.view(rows).to(x.dtype))
         else:
