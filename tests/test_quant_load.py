@@ -40,3 +40,29 @@ def test_ranks_hold_whole_blocks(tmp_path):
     wide_dir = gguf_model_dir(save_tiny_gguf(wide, tmp_path / 'wide.gguf', 'Q8_0'), tmp_path / 'cache')
     with pytest.raises(ValueError, match='o_proj.*not whole Q8_0 blocks of 32'):
         load_checkpoint(wide_dir, tp_rank=0, tp_size=2)
+
+def test_serve_a_gguf_file(tmp_path, monkeypatch):
+    "`nanoserve serve model.gguf`: the file's own blocks behind the API, its tokenizer and chat template from the file."
+    import json, urllib.request
+    from nanoserve.testing import ServerProcess
+    monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'cache'))
+    hf_dir = save_tiny_model(tmp_path / 'llama', 'llama', seed=3, tokenizer=True)
+    gguf_file = save_tiny_gguf(hf_dir, tmp_path / 'tiny.gguf', 'Q4_0')
+    prompt_ids = [1, 40, 41, 42, 43]
+    with Engine(model=str(gguf_file), device='cpu', page_size=4, num_pages=64) as engine:
+        expected = engine.generate([prompt_ids], GREEDY)[0].output_ids
+    with ServerProcess(str(gguf_file), cli=True, device='cpu', num_pages=64, page_size=4) as server:
+        with urllib.request.urlopen(server.url + '/v1/models') as response:
+            assert [m['id'] for m in json.load(response)['data']] == [str(gguf_file)]
+        body = json.dumps({'model': str(gguf_file), 'prompt': prompt_ids, 'max_tokens': 8, 'temperature': 0,
+                           'ignore_eos': True, 'return_tokens_as_token_ids': True, 'logprobs': 0}).encode()
+        request = urllib.request.Request(server.url + '/v1/completions', data=body,
+                                         headers={'Content-Type': 'application/json'})
+        with urllib.request.urlopen(request) as response: choice = json.load(response)['choices'][0]
+        assert [int(t.removeprefix('token_id:')) for t in choice['logprobs']['tokens']] == expected
+        chat = json.dumps({'model': str(gguf_file), 'messages': [{'role': 'user', 'content': 'Hi'}],
+                           'max_tokens': 4}).encode()
+        request = urllib.request.Request(server.url + '/v1/chat/completions', data=chat,
+                                         headers={'Content-Type': 'application/json'})
+        with urllib.request.urlopen(request) as response:
+            assert json.load(response)['usage']['completion_tokens'] >= 1
