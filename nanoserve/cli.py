@@ -271,10 +271,11 @@ def _check_kernels(args: argparse.Namespace) -> int:
     os.environ.pop('TRITON_INTERPRET', None)
     from nanoserve.bench import format_table
     from nanoserve.kernels import check_kernels
+    from nanoserve.quant_kernels import FP8_ARCHS, check_quant_kernels
     header = ['kernel', 'configuration', 'warps', 'registers', 'spills', 'shared KB', 'occupancy', 'verdict']
     failed = False
     for arch in args.arch or ['sm_90']:
-        rows = check_kernels(arch, args.workers)
+        rows = check_kernels(arch, args.workers) + check_quant_kernels(arch, args.workers)   # chapters 06, 07b
         cells = []
         for row in rows:
             shared_kb = None if row.get('shared') is None else row['shared'] // 1024
@@ -282,6 +283,8 @@ def _check_kernels(args: argparse.Namespace) -> int:
             cells.append((row['kernel'], row['config'], row.get('num_warps'), row.get('registers'), row.get('spills'),
                           shared_kb, occupancy, row['problem'] or 'ok'))
         print(f'{arch}: {len(rows)} compilations')
+        if arch not in FP8_ARCHS:
+            print(f'{arch}: linear_fp8 left out: FP8 e4m3 needs sm_89 or later (FP8 tensor cores, e4m3 in Triton)')
         print(format_table(header, cells))
         failed = failed or any(row['problem'] for row in rows)
     return 1 if failed else 0
