@@ -173,7 +173,8 @@ def quantize_fp8(weight: torch.Tensor,      # [rows, cols], any float dtype
     w = weight.detach().float()
     if not torch.isfinite(w).all(): raise ValueError('cannot quantize a weight holding inf or nan')
     d = w.abs().amax(-1, keepdim=True) / FP8_MAX
-    qs = (w / torch.where(d == 0, torch.ones_like(d), d)).to(torch.float8_e4m3fn)
+    q = (w / torch.where(d == 0, torch.ones_like(d), d)).clamp(-FP8_MAX, FP8_MAX)   # a quotient's rounding can pass 448
+    qs = q.to(torch.float8_e4m3fn)
     return {'d': d, 'qs': qs.view(rows, 1, cols)}
 
 
@@ -235,22 +236,38 @@ class QuantizedWeight(nn.Module):
         return dequantize(self.quant_type, self._fields(rows))
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        "`x @ W^T + bias`, as `F.linear`: a torch kernel on the blocks, or dequantized `rows_per_chunk` rows at a time."
+        "`x @ W^T + bias`, as `F.linear`: a kernel on the blocks, or dequantized `rows_per_chunk` rows at a time."
         rows, cols = self.shape
         x2d = x.reshape(-1, cols).contiguous()
-        kernel = self.kernel if x.device.type == 'cpu' else None
-        if kernel == 'int4pack':
-            packed, scales_and_zeros, group_size = self._int4pack()
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, packed, group_size, scales_and_zeros.to(x.dtype))
-        elif kernel == 'int8pack':
-            y = torch.ops.aten._weight_int8pack_mm(x2d, self.qs.view(rows, cols), self.d.view(rows).to(x.dtype))
-        else:
+        y = self._triton_linear(x2d) if x.is_cuda else self._torch_kernel_linear(x2d) if x.is_cpu else None
+        if y is None:
             y = x2d.new_empty(x2d.shape[0], rows)
             for start in range(0, rows, self.rows_per_chunk):
                 chunk = slice(start, start + self.rows_per_chunk)
                 y[:, chunk] = F.linear(x2d, self.dequantize(chunk).to(x.dtype))
         y = y.view(*x.shape[:-1], rows)
         return y if bias is None else y + bias
+
+    def _torch_kernel_linear(self, x2d: torch.Tensor) -> torch.Tensor | None:
+        "The product by torch's CPU kernel for these blocks, or None where none takes them."
+        rows, cols = self.shape
+        if self.kernel == 'int4pack':
+            packed, scales_and_zeros, group_size = self._int4pack()
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x2d, packed, group_size, scales_and_zeros.to(x2d.dtype))
+        if self.kernel == 'int8pack':
+            return torch.ops.aten._weight_int8pack_mm(x2d, self.qs.view(rows, cols), self.d.view(rows).to(x2d.dtype))
+        return None
+
+    def _triton_linear(self, x2d: torch.Tensor) -> torch.Tensor | None:
+        "The product by chapter 07b's Triton kernels on a GPU, or None for a format (or a GPU) they do not take."
+        from nanoserve import quant_kernels   # a later chapter, and Triton: imported where a GPU computes only
+        if self.quant_type in ('Q4_0', 'Q4_1', 'int4') and self.qs.shape[-1] == 16:
+            return quant_kernels.linear_w4(x2d, self.qs, self.d, self.m if self.quant_type != 'Q4_0' else None)
+        if self.quant_type in ('Q8_0', 'int8') and self.qs.shape[-1] == 32:
+            return quant_kernels.linear_w8(x2d, self.qs, self.d)
+        if self.quant_type == 'fp8' and torch.cuda.get_device_capability(x2d.device) >= (8, 9):
+            return quant_kernels.linear_fp8(x2d, self.qs, self.d)
+        return None
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         "Rows `ids` of the weight, as `F.embedding`: only those rows are dequantized."

@@ -9,28 +9,11 @@ import torch
 import triton
 import triton.language as tl
 from .kernels import GPU_ARCHS, INTERPRET, occupancy
+from .quant import FP8_MAX
 
 # %% auto #0
-__all__ = ['FP8_MAX', 'FP8_ARCHS', 'QUANT_SHAPES', 'quantize_fp8', 'dequantize_fp8', 'linear_w4', 'linear_w8',
-           'quantize_fp8_activations', 'linear_fp8', 'quant_kernel_launches', 'check_quant_kernels']
-
-# %% ../nbs/07b_quant_kernels.ipynb #323ea92e
-FP8_MAX = 448.0   # the largest finite float8_e4m3fn
-
-def quantize_fp8(weight: torch.Tensor,   # [rows, cols], any float dtype
-                ) -> dict[str, torch.Tensor]:
-    "FP8 e4m3 weights, a scale per row: `{'d': fp32 [rows, 1], 'qs': float8_e4m3fn [rows, 1, cols]}`, `w = d * q`."
-    w = weight.detach().float()
-    if not torch.isfinite(w).all(): raise ValueError('cannot quantize a weight holding inf or nan')
-    d = w.abs().amax(-1, keepdim=True) / FP8_MAX
-    q = (w / torch.where(d == 0, torch.ones_like(d), d)).clamp(-FP8_MAX, FP8_MAX)
-    return {'d': d, 'qs': q.to(torch.float8_e4m3fn)[:, None, :]}
-
-def dequantize_fp8(blocks: dict[str, torch.Tensor],   # `quantize_fp8`'s fields (or some of their rows)
-                  ) -> torch.Tensor:                   # fp32 [rows, cols]
-    "The fp32 weights of FP8 blocks: `d * q`."
-    rows = blocks['d'].shape[0]
-    return (blocks['qs'].float() * blocks['d'].float()[..., None]).reshape(rows, -1)
+__all__ = ['FP8_ARCHS', 'QUANT_SHAPES', 'linear_w4', 'linear_w8', 'quantize_fp8_activations', 'linear_fp8',
+           'quant_kernel_launches', 'check_quant_kernels']
 
 # %% ../nbs/07b_quant_kernels.ipynb #3db9bdcf
 @triton.jit

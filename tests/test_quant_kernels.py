@@ -6,8 +6,10 @@ import torch
 
 from nanoserve.kernels import INTERPRET
 from nanoserve.quant import dequantize, quantize_int4, quantize_int8
-from nanoserve.quant_kernels import (dequantize_fp8, linear_fp8, linear_w4, linear_w8, quantize_fp8,
-                                     quantize_fp8_activations)
+from nanoserve.quant import quantize_fp8
+
+def dequantize_fp8(blocks): return dequantize('fp8', blocks)
+from nanoserve.quant_kernels import linear_fp8, linear_w4, linear_w8, quantize_fp8_activations
 
 # (M, N, K): decode in one K tile; decode with K split in 2 and 3; just past decode (a partial K tile of 64);
 # a full 64-row tile; one row past it (a second, nearly empty 128-row tile); K of a single block
