@@ -142,7 +142,7 @@ def build_parser(flags: bool = True) -> argparse.ArgumentParser:
     command('serve', _serve, 'start the OpenAI-compatible server', _serve_flags)
     command('bench', None, 'run the benchmarks (nanoserve bench --help lists their arguments)', add_help=False)
     command('convert-gguf', _convert, 'convert a GGUF file into a safetensors model directory (once)', _convert_flags)
-    command('check-kernels', _check_kernels, 'compile every Triton kernel for a GPU, on any machine (chapter 06)',
+    command('check-kernels', _check_kernels, 'compile every Triton kernel for a GPU, on any machine (chapters 06, 07b)',
             _check_kernels_flags)
     return parser
 
