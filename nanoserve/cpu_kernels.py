@@ -493,38 +493,54 @@ INLINE table4 nibble_table(float d, float m) { return (table4){d, m}; }
 INLINE vq nibbles(vqi q, table4 t) { return F32(q & 15) * t.d + t.m; }
 #endif
 
-/* rows [r0, r0 + nr) of the weight in fp32 into out [nr][K]; scales: room for 2 K / 16 floats */
-static void dequantize_rows(const int64_t *rec, int64_t r0, int nr, int K, float *out, float *scales) {
-    const int kind = (int)rec[R_KIND], G = (int)rec[R_GROUP], groups = K / G;
-    float *ds = scales, *ms = scales + K / 16;
-    for (int r = 0; r < nr; r++) {
-        const int64_t n = r0 + r;
-        float *o = out + (int64_t)r * K;
-        if (kind == Q_8_0) {                                          /* qs int8 [N, K], d fp16 [N, K / G]: w = d q */
-            const int8_t *q = FIELD(rec, R_F0, int8_t) + n * K;
-            halves_to_floats(FIELD(rec, R_F1, uint16_t) + n * groups, groups, ds);
-            for (int g = 0; g < groups; g++)
-                for (int j = g * G; j < (g + 1) * G; j += QV) *(vq *)(o + j) = F32(S8(q + j)) * ds[g];
-        } else if (kind == Q_4_0 || kind == Q_4_1) {    /* qs [N, K / 2]: byte j of a group, weights j and j + G / 2 */
-            const uint8_t *q = FIELD(rec, R_F0, uint8_t) + n * (K / 2);
-            const int half = G / 2;
-            halves_to_floats(FIELD(rec, R_F1, uint16_t) + n * groups, groups, ds);
-            if (kind == Q_4_1) halves_to_floats(FIELD(rec, R_F2, uint16_t) + n * groups, groups, ms);
-            for (int g = 0; g < groups; g++) {
-                const table4 t = nibble_table(ds[g], kind == Q_4_1 ? ms[g] : -8.0f * ds[g]);   /* d (q - 8) = d q - 8 d */
-                const uint8_t *qg = q + g * half; float *og = o + g * G;
-                for (int j = 0; j < half; j += QV) {
-                    const vqi b = U8(qg + j);
-                    *(vq *)(og + j) = nibbles(b, t);
-                    *(vq *)(og + half + j) = nibbles(b >> 4, t);
+/* the lane sums of c0..c3 */
+INLINE void sum4q(vq c0, vq c1, vq c2, vq c3, float *out) {
+#if QV == 16
+#define HALVES(c) (SHUF(c, c, 0, 1, 2, 3, 4, 5, 6, 7) + SHUF(c, c, 8, 9, 10, 11, 12, 13, 14, 15))
+    sum4(HALVES(c0), HALVES(c1), HALVES(c2), HALVES(c3), out);
+#else
+    sum4(c0, c1, c2, c3, out);
+#endif
+}
+
+/* Rows n .. n + nr (nr <= 4) of the weight, a vector w of the weights k .. k + QV of row r at a time, as the format has
+   them (the 4 rows interleaved, a group or block of each in turn): with R = 0 stored at out + r K + k; with R = 1-4,
+   multiplied into 16 sums acc[r][i] += w * x_i[k ..] over R rows of x (sx apart), then y[i, n + r] = their lane sum
+   (+ bias[n + r]), y's rows sy apart. scales: room for 8 * (K / 32) floats. */
+#define EMIT(r, k, w) do { const vq w_ = (w); if (!R) *(vq *)(out + (r) * K + (k)) = w_; \
+                           else for (int i_ = 0; i_ < R; i_++) acc[r][i_] += w_ * LDQ(x + i_ * sx + (k)); } while (0)
+INLINE void weight_rows(const int64_t *rec, int64_t n, const int nr, const int K, const int G, float *scales, float *out,
+                        const float *x, int64_t sx, const int R, const float *bias, float *y, int64_t sy) {
+    const int kind = (int)rec[R_KIND], groups = K / G;
+    float *ds = scales, *ms = scales + 4 * groups;
+    vq acc[4][4] = {{{0}}};
+    if (kind == Q_8_0) {                                              /* qs int8 [N, K], d fp16 [N, K / G]: w = d q */
+        const int8_t *q = FIELD(rec, R_F0, int8_t) + n * K;
+        halves_to_floats(FIELD(rec, R_F1, uint16_t) + n * groups, nr * groups, ds);
+        for (int g = 0; g < groups; g++)
+            _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++)
+                for (int j = g * G; j < (g + 1) * G; j += QV) EMIT(r, j, F32(S8(q + r * K + j)) * ds[r * groups + g]);
+    } else if (kind == Q_4_0 || kind == Q_4_1) {     /* qs [N, K / 2]: byte j of a group, weights j and j + G / 2 */
+        const uint8_t *q = FIELD(rec, R_F0, uint8_t) + n * (K / 2);
+        halves_to_floats(FIELD(rec, R_F1, uint16_t) + n * groups, nr * groups, ds);
+        if (kind == Q_4_1) halves_to_floats(FIELD(rec, R_F2, uint16_t) + n * groups, nr * groups, ms);
+        else for (int g = 0; g < nr * groups; g++) ms[g] = -8.0f * ds[g];             /* d (q - 8) = d q - 8 d */
+        for (int g = 0; g < groups; g++)
+            _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {
+                const table4 t = nibble_table(ds[r * groups + g], ms[r * groups + g]);
+                for (int j = 0; j < G / 2; j += QV) {
+                    const vqi b = U8(q + r * (K / 2) + g * (G / 2) + j);
+                    EMIT(r, g * G + j, nibbles(b, t));
+                    EMIT(r, g * G + G / 2 + j, nibbles(b >> 4, t));
                 }
             }
-        } else if (kind == Q_4_K) {   /* per 256: qs [128], d, dmin fp16, scales [12]: 8 six-bit scales and mins */
-            const uint8_t *qs = FIELD(rec, R_F0, uint8_t) + n * (K / 2), *sc = FIELD(rec, R_F3, uint8_t) + n * (K / 256) * 12;
-            const uint16_t *d = FIELD(rec, R_F1, uint16_t) + n * (K / 256), *dmin = FIELD(rec, R_F2, uint16_t) + n * (K / 256);
-            for (int s = 0; s < K / 256; s++) {
-                const uint8_t *b = sc + s * 12, *q = qs + s * 128;
-                const float dd = f16(d[s]), dm = f16(dmin[s]);
+    } else if (kind == Q_4_K) {       /* per 256: qs [128], d, dmin fp16, scales [12]: 8 six-bit scales and mins */
+        const uint8_t *qs = FIELD(rec, R_F0, uint8_t) + n * (K / 2), *sc = FIELD(rec, R_F3, uint8_t) + n * (K / 256) * 12;
+        const uint16_t *d = FIELD(rec, R_F1, uint16_t) + n * (K / 256), *dmin = FIELD(rec, R_F2, uint16_t) + n * (K / 256);
+        for (int s = 0; s < K / 256; s++)
+            _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {
+                const uint8_t *b = sc + (r * (K / 256) + s) * 12, *q = qs + r * (K / 2) + s * 128;
+                const float dd = f16(d[r * (K / 256) + s]), dm = f16(dmin[r * (K / 256) + s]);
                 table4 t[8];                                  /* w = (d sc) q - dmin mn, sub-block i of 32 */
                 for (int i = 0; i < 4; i++) {
                     t[i] = nibble_table(dd * (b[i] & 63), -(dm * (b[i + 4] & 63)));
@@ -534,38 +550,41 @@ static void dequantize_rows(const int64_t *rec, int64_t r0, int nr, int K, float
                 for (int p = 0; p < 4; p++)                    /* 32 bytes: sub-block 2p low nibbles, 2p + 1 high */
                     for (int j = 0; j < 32; j += QV) {
                         const vqi v = U8(q + 32 * p + j);
-                        float *os = o + s * 256 + 64 * p + j;
-                        *(vq *)os = nibbles(v, t[2 * p]);
-                        *(vq *)(os + 32) = nibbles(v >> 4, t[2 * p + 1]);
+                        EMIT(r, s * 256 + 64 * p + j, nibbles(v, t[2 * p]));
+                        EMIT(r, s * 256 + 64 * p + 32 + j, nibbles(v >> 4, t[2 * p + 1]));
                     }
             }
-        } else {                      /* Q6_K, per 256: ql [128], qh [64], scales int8 [16], d fp16 */
-            const uint8_t *ql = FIELD(rec, R_F0, uint8_t) + n * (K / 2), *qh = FIELD(rec, R_F2, uint8_t) + n * (K / 4);
-            const uint16_t *d = FIELD(rec, R_F1, uint16_t) + n * (K / 256);
-            const int8_t *sc = FIELD(rec, R_F3, int8_t) + n * (K / 16);
-            for (int s = 0; s < K / 256; s++) {
-                const float dd = f16(d[s]);
+    } else {                          /* Q6_K, per 256: ql [128], qh [64], scales int8 [16], d fp16 */
+        const uint8_t *ql = FIELD(rec, R_F0, uint8_t) + n * (K / 2), *qh = FIELD(rec, R_F2, uint8_t) + n * (K / 4);
+        const uint16_t *d = FIELD(rec, R_F1, uint16_t) + n * (K / 256);
+        const int8_t *sc = FIELD(rec, R_F3, int8_t) + n * (K / 16);
+        for (int s = 0; s < K / 256; s++)
+            _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {
+                const float dd = f16(d[r * (K / 256) + s]);
                 for (int h = 0; h < 2; h++)                    /* 128 weights: 64 bytes of ql, 32 of qh */
                     for (int t = 0; t < 4; t++)                /* 32 of them: a nibble of ql, two bits of qh */
                         for (int i = 0; i < 32; i += QV) {
                             const int p = 256 * s + 128 * h + 32 * t + i;
-                            const vqi lo = (U8(ql + 128 * s + 64 * h + 32 * (t & 1) + i) >> (4 * (t >> 1))) & 15;
-                            const vqi hi = (U8(qh + 64 * s + 32 * h + i) >> (2 * t)) & 3;
-                            *(vq *)(o + p) = F32((lo | hi << 4) - 32) * (dd * sc[p / 16]);
+                            const vqi lo = (U8(ql + r * (K / 2) + 128 * s + 64 * h + 32 * (t & 1) + i) >> (4 * (t >> 1))) & 15;
+                            const vqi hi = (U8(qh + r * (K / 4) + 64 * s + 32 * h + i) >> (2 * t)) & 3;
+                            EMIT(r, p, F32((lo | hi << 4) - 32) * (dd * sc[r * (K / 16) + p / 16]));
                         }
             }
-        }
+    }
+    for (int i = 0; i < R; i++) {
+        float sums[4];
+        sum4q(acc[0][i], acc[1][i], acc[2][i], acc[3][i], sums);
+        for (int r = 0; r < nr; r++) y[i * sy + n + r] = sums[r] + (bias ? bias[n + r] : 0.0f);
     }
 }
 
-/* the lane sums of c0..c3 */
-INLINE void sum4q(vq c0, vq c1, vq c2, vq c3, float *out) {
-#if QV == 16
-#define HALVES(c) (SHUF(c, c, 0, 1, 2, 3, 4, 5, 6, 7) + SHUF(c, c, 8, 9, 10, 11, 12, 13, 14, 15))
-    sum4(HALVES(c0), HALVES(c1), HALVES(c2), HALVES(c3), out);
-#else
-    sum4(c0, c1, c2, c3, out);
-#endif
+/* weight_rows for R rows of x, nr (1-4) weight rows and groups of G, each case compiled on its own */
+INLINE void weight_rows_by(const int64_t *rec, int64_t n, int nr, int K, float *scales, float *out, const float *x,
+                           int64_t sx, const int R, const float *bias, float *y, int64_t sy) {
+    const int G = (int)rec[R_GROUP];
+    if (nr == 4 && G == 32) weight_rows(rec, n, 4, K, 32, scales, out, x, sx, R, bias, y, sy);
+    else if (nr == 4) weight_rows(rec, n, 4, K, G, scales, out, x, sx, R, bias, y, sy);
+    else weight_rows(rec, n, nr, K, G, scales, out, x, sx, R, bias, y, sy);
 }
 
 /* y[i, j] = x[i] . w[j] (+ bias[j]) for R (1-4) rows of x (sx apart) and 4 rows of w (K floats each, K % QV == 0);
@@ -587,29 +606,42 @@ INLINE void dot_tile(const float *x, int64_t sx, const float *w, int K, const fl
     }
 }
 
-#define QROWS 4         /* weight rows a thread dequantizes at a time for few rows of x: they stay in L1 */
-#define QROWS_MANY 64   /* and for many rows of x (each tile of x rows then meets 64 weight rows) */
+#define QROWS 64   /* weight rows a thread dequantizes at a time for more than 4 rows of x: each tile of x meets them */
 
-/* y [M, N] (rows sy apart) = x [M, K] (rows sx apart) w^T (+ bias [N]) for a quantized weight w (its record rec):
-   each thread dequantizes a contiguous range of w's rows, a few at a time, into fp32, and multiplies every row of x by
-   them. Returns -4 when out of memory. */
+/* y [M, N] (rows sy apart) = x [M, K] (rows sx apart) w^T (+ bias [N]) for a quantized weight w (its record rec): each
+   thread takes a contiguous range of w's rows, 4 at a time; for up to 4 rows of x it multiplies them straight from the
+   blocks, for more it dequantizes QROWS rows at a time into fp32 and multiplies by those in tiles. Returns -4 when out
+   of memory. */
 int linear_quantized_f32(const float *x, int64_t sx, const int64_t *rec, const float *bias, float *y, int64_t sy,
                          int64_t M, int N, int K, int threads) {
-    const int rows = M <= 8 ? QROWS : QROWS_MANY, units = (N + 3) / 4;
+    const int units = (N + 3) / 4, rows = M <= 4 ? 0 : QROWS;
     if (units < threads) threads = 1;
     int err = 0;
     #pragma omp parallel num_threads(threads)
     {
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int n0 = (int)((int64_t)units * t / nt) * 4, n1 = (int)((int64_t)units * (t + 1) / nt) * 4;
-        float *buf = aligned_alloc(64, (sizeof(float) * ((int64_t)rows * K + K / 8) + 63) & ~(size_t)63);
+        const int end = n1 < N ? n1 : N;
+        float *buf = aligned_alloc(64, (sizeof(float) * ((int64_t)rows * K + K / 4) + 63) & ~(size_t)63);
+        float *scales = buf + (int64_t)rows * K;
         if (!buf) {
             #pragma omp atomic write
             err = -4;
+        } else if (M <= 4) {
+            for (int n = n0; n < end; n += 4) {
+                const int nr = end - n < 4 ? end - n : 4;
+                switch (M) {
+                    case 4: weight_rows_by(rec, n, nr, K, scales, 0, x, sx, 4, bias, y, sy); break;
+                    case 3: weight_rows_by(rec, n, nr, K, scales, 0, x, sx, 3, bias, y, sy); break;
+                    case 2: weight_rows_by(rec, n, nr, K, scales, 0, x, sx, 2, bias, y, sy); break;
+                    default: weight_rows_by(rec, n, nr, K, scales, 0, x, sx, 1, bias, y, sy); break;
+                }
+            }
         } else {
-            for (int p = n0; p < n1 && p < N; p += rows) {
-                const int end = n1 < N ? n1 : N, nr = end - p < rows ? end - p : rows;
-                dequantize_rows(rec, p, nr, K, buf, buf + (int64_t)rows * K);
+            for (int p = n0; p < end; p += rows) {
+                const int nr = end - p < rows ? end - p : rows;
+                for (int j = 0; j < nr; j += 4)
+                    weight_rows_by(rec, p + j, nr - j < 4 ? nr - j : 4, K, scales, buf + (int64_t)j * K, 0, 0, 0, 0, 0, 0);
                 if (nr % 4) memset(buf + (int64_t)nr * K, 0, sizeof(float) * (4 - nr % 4) * K);
                 for (int64_t i = 0; i < M; i += 4) {
                     const float *xi = x + i * sx;
@@ -626,8 +658,8 @@ int linear_quantized_f32(const float *x, int64_t sx, const int64_t *rec, const f
                     }
                 }
             }
-            free(buf);
         }
+        free(buf);
     }
     return err;
 }
