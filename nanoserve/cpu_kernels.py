@@ -18,14 +18,15 @@ from .references import rms_norm_ref, rope_ref, silu_and_mul_ref
 
 # %% auto #0
 __all__ = ['C_VECTORS', 'C_SCORES_VALUES', 'C_ATTEND_BLOCK', 'C_PAGED_ATTENTION', 'C_RMS_NORM', 'C_ROPE', 'C_SILU_AND_MUL',
-           'C_GEMM_TILE', 'C_LINEAR', 'C_QUANT', 'C_DECODE_LAYERS', 'C_SOURCE', 'ARG_STRUCTS', 'C_ENTRY_POINTS',
-           'CPU_KERNELS_ENV', 'CFLAGS', 'CACHE_KEEP', 'log', 'MAX_BLOCK', 'Blocks', 'PANEL', 'QREC', 'QUANT_KINDS',
-           'LAYER_PTRS', 'CArgs', 'c_args', 'PagedAttentionArgs', 'RmsNormArgs', 'RopeArgs', 'SiluAndMulArgs',
-           'LinearArgs', 'LinearQuantizedArgs', 'DecodeLayersArgs', 'library_source', 'kernel_cache_dir', 'library_key',
-           'compile_library', 'CpuLibrary', 'cpu_kernels', 'supports', 'single_blocks', 'PagedAttention',
-           'paged_attention', 'shared_prefix_blocks', 'extend_blocks', 'rms_norm_cpu', 'rope_cpu', 'silu_and_mul_cpu',
-           'Panels', 'pack_panels', 'linear_cpu', 'QuantizedLinear', 'pack_quantized', 'linear_quantized_cpu',
-           'LayerWeights', 'DecoderWeights', 'pack_decoder', 'decode_layers_cpu']
+           'C_GEMM_TILE', 'C_LINEAR', 'C_QUANT_VECTORS', 'C_WEIGHT_ROWS', 'C_LINEAR_QUANTIZED', 'C_DECODE_LAYERS',
+           'C_SOURCE', 'ARG_STRUCTS', 'C_ENTRY_POINTS', 'CPU_KERNELS_ENV', 'CFLAGS', 'CACHE_KEEP', 'log', 'MAX_BLOCK',
+           'Blocks', 'PANEL', 'QREC', 'QUANT_KINDS', 'LAYER_PTRS', 'CArgs', 'c_args', 'PagedAttentionArgs',
+           'RmsNormArgs', 'RopeArgs', 'SiluAndMulArgs', 'LinearArgs', 'LinearQuantizedArgs', 'DecodeLayersArgs',
+           'library_source', 'kernel_cache_dir', 'library_key', 'compile_library', 'CpuLibrary', 'cpu_kernels',
+           'supports', 'single_blocks', 'PagedAttention', 'paged_attention', 'shared_prefix_blocks', 'extend_blocks',
+           'rms_norm_cpu', 'rope_cpu', 'silu_and_mul_cpu', 'Panels', 'pack_panels', 'linear_cpu', 'QuantizedLinear',
+           'pack_quantized', 'linear_quantized_cpu', 'LayerWeights', 'DecoderWeights', 'pack_decoder',
+           'decode_layers_cpu']
 
 # %% ../nbs/90_cpu_kernels.ipynb #6713863d
 C_VECTORS = r'''
@@ -419,8 +420,8 @@ void linear_f32(const float *x, int64_t sx, const float *w, const float *bias, f
 
 '''
 
-# %% ../nbs/90_cpu_kernels.ipynb #cd1aaae4
-C_QUANT = r'''/* ---- linear layers on quantized weights: a few rows of blocks dequantized into fp32 at a time, then multiplied ---- */
+# %% ../nbs/90_cpu_kernels.ipynb #a1e68e97
+C_QUANT_VECTORS = r'''/* ---- linear layers on quantized weights: a few rows of blocks dequantized into fp32 at a time, then multiplied ---- */
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -503,7 +504,10 @@ INLINE void sum4q(vq c0, vq c1, vq c2, vq c3, float *out) {
 #endif
 }
 
-/* Rows n .. n + nr (nr <= 4) of the weight, a vector w of the weights k .. k + QV of row r at a time, as the format has
+'''
+
+# %% ../nbs/90_cpu_kernels.ipynb #228f8f86
+C_WEIGHT_ROWS = r'''/* Rows n .. n + nr (nr <= 4) of the weight, a vector w of the weights k .. k + QV of row r at a time, as the format has
    them (the 4 rows interleaved, a group or block of each in turn): with R = 0 stored at out + r K + k; with R = 1-4,
    multiplied into 16 sums acc[r][i] += w * x_i[k ..] over R rows of x (sx apart), then y[i, n + r] = their lane sum
    (+ bias[n + r]), y's rows sy apart. scales: room for 8 * (K / 32) floats. */
@@ -587,7 +591,10 @@ INLINE void weight_rows_by(const int64_t *rec, int64_t n, int nr, int K, float *
     else weight_rows(rec, n, nr, K, G, scales, out, x, sx, R, bias, y, sy);
 }
 
-/* y[i, j] = x[i] . w[j] (+ bias[j]) for R (1-4) rows of x (sx apart) and 4 rows of w (K floats each, K % QV == 0);
+'''
+
+# %% ../nbs/90_cpu_kernels.ipynb #5babc3b3
+C_LINEAR_QUANTIZED = r'''/* y[i, j] = x[i] . w[j] (+ bias[j]) for R (1-4) rows of x (sx apart) and 4 rows of w (K floats each, K % QV == 0);
    y rows sy apart, only its first nc (<= 4) columns written */
 INLINE void dot_tile(const float *x, int64_t sx, const float *w, int K, const float *bias, float *y, int64_t sy, int R,
                      int nc) {
@@ -722,7 +729,8 @@ int decode_layers_f32(int64_t T, int L, int C, int H, int KVH, int D, int I, flo
 
 # %% ../nbs/90_cpu_kernels.ipynb #7cc36b96
 C_SOURCE = (C_VECTORS + C_SCORES_VALUES + C_ATTEND_BLOCK + C_PAGED_ATTENTION      # each part uses only the parts before it
-            + C_RMS_NORM + C_ROPE + C_SILU_AND_MUL + C_GEMM_TILE + C_LINEAR + C_QUANT + C_DECODE_LAYERS)
+            + C_RMS_NORM + C_ROPE + C_SILU_AND_MUL + C_GEMM_TILE + C_LINEAR
+            + C_QUANT_VECTORS + C_WEIGHT_ROWS + C_LINEAR_QUANTIZED + C_DECODE_LAYERS)
 
 # %% ../nbs/90_cpu_kernels.ipynb #c2d3e4f5
 _C_SCALARS = {'int': ctypes.c_int, 'int64_t': ctypes.c_int64, 'float': ctypes.c_float}
