@@ -220,11 +220,11 @@ def decoder_weights(model: DecoderForCausalLM, packed: PackedLinears) -> Decoder
     layers = []
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        panels = [packed.c_weight(m.weight) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        linears = [packed.c_weight(m.weight) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if any(p is None for p in panels) or any(w.dtype != torch.float32 or not w.is_cpu for w in norms): return None
-        layers.append(LayerWeights(norms[0].data, panels[0], bias(attn.qkv_proj), panels[1], bias(attn.o_proj),
-                                   norms[1].data, panels[2], panels[3]))
+        if any(p is None for p in linears) or any(w.dtype != torch.float32 or not w.is_cpu for w in norms): return None
+        layers.append(LayerWeights(norms[0].data, linears[0], bias(attn.qkv_proj), linears[1], bias(attn.o_proj),
+                                   norms[1].data, linears[2], linears[3]))
     return pack_decoder(layers, H, KVH, D, decoder.norm.eps)
 
 class CpuAttentionBackend(AttentionBackend):
