@@ -5,22 +5,26 @@
 # %% ../nbs/91_cpu_backend.ipynb #91a00003
 from __future__ import annotations
 import logging, math, os, time
+from collections.abc import Callable
 from collections import Counter
-from functools import cache
+from functools import cache, partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from .model import ColumnParallelLinear, DecoderForCausalLM, Ops, ParallelLMHead, RMSNorm, RowParallelLinear
+from .quant import QuantizedWeight
 from .metadata import AttentionBackend, Extend, ForwardMeta, attend_extends, extends
 from .cpu_kernels import CPU_KERNELS_ENV, DecoderWeights, LayerWeights, PagedAttention, Panels, cpu_kernels
-from .cpu_kernels import decode_layers_cpu, extend_blocks, linear_cpu, pack_decoder, pack_panels
+from .cpu_kernels import QuantizedLinear, decode_layers_cpu, extend_blocks, linear_cpu, linear_quantized_cpu
+from .cpu_kernels import pack_decoder, pack_panels, pack_quantized
 from .cpu_kernels import rms_norm_cpu, rope_cpu, shared_prefix_blocks, silu_and_mul_cpu
 
 # %% auto #0
-__all__ = ['LINEAR_ENV', 'TIMED_ROWS', 'SAMPLE_WEIGHTS', 'SAMPLE_BYTES', 'log', 'products', 'pack_for', 'multiply',
-           'time_products', 'measure_products', 'choose_product', 'PackedLinears', 'cpu_ops', 'decoder_weights',
-           'CpuAttentionBackend']
+__all__ = ['LINEAR_ENV', 'TIMED_ROWS', 'SAMPLE_WEIGHTS', 'SAMPLE_BYTES', 'log', 'QUANT_LINEAR_ENV', 'products', 'pack_for',
+           'multiply', 'pass_seconds', 'time_products', 'measure_products', 'choose_product', 'quantized_products',
+           'c_takes', 'time_quantized_products', 'measure_quantized_products', 'choose_quantized_product',
+           'release_int4pack', 'PackedLinears', 'cpu_ops', 'decoder_weights', 'CpuAttentionBackend']
 
 # %% ../nbs/91_cpu_backend.ipynb #f710d77b
 LINEAR_ENV = 'NANOSERVE_CPU_LINEAR'   # 'c', 'onednn' or 'torch': use that product and measure nothing
@@ -47,10 +51,22 @@ def multiply(product: str, x: torch.Tensor, packed, bias: torch.Tensor | None = 
     if product == 'onednn': return torch.ops.mkldnn._linear_pointwise(x, packed, bias, 'none', [], '')
     return F.linear(x, packed, bias)
 
+def pass_seconds(calls: list[tuple[int, float, Callable]],   # (in_features, factor, a function of x) per weight
+                 rows: int, repeats: int) -> float:
+    "Seconds of one pass over `calls` at `rows` rows of x: each call's best of `repeats` passes, times its factor."
+    # the best over passes, the others' weights passing between, as in a step
+    xs = {k: torch.randn(rows, k) for k, _, _ in calls}
+    best = [math.inf] * len(calls)
+    for _ in range(repeats + 1):            # the first is a warm-up
+        for i, (k, _, f) in enumerate(calls):
+            start = time.perf_counter()
+            f(xs[k])
+            best[i] = min(best[i], time.perf_counter() - start)
+    return sum(t * factor for t, (_, factor, _) in zip(best, calls))
+
 def time_products(shapes: dict[tuple[int, int], int],   # (out_features, in_features) -> how many weights of it
                   repeats: int = 5) -> dict[str, dict[int, float]]:
     "Seconds each product takes for one pass over all `shapes`' weights at each of `TIMED_ROWS`."
-    # each call's time is its best over `repeats` passes (the others' weights pass between, as in a step)
     samples = []                                    # (in_features, one sampled weight, its factor to the model's)
     for (n, k), count in shapes.items():
         rows = min(n, max(1, SAMPLE_BYTES // (4 * k)))
@@ -58,24 +74,18 @@ def time_products(shapes: dict[tuple[int, int], int],   # (out_features, in_feat
         samples += [(k, torch.randn(rows, k), count / taken * n / rows) for _ in range(taken)]
     seconds = {}
     for product in products():
-        packed = [(k, pack_for(product, w), factor) for k, w, factor in samples]
-        for m in TIMED_ROWS:
-            xs = {k: torch.randn(m, k) for k, _, _ in samples}
-            best = [math.inf] * len(packed)
-            for _ in range(repeats + 1):            # the first is a warm-up
-                for i, (k, w, _) in enumerate(packed):
-                    start = time.perf_counter()
-                    multiply(product, xs[k], w)
-                    best[i] = min(best[i], time.perf_counter() - start)
-            seconds.setdefault(product, {})[m] = sum(t * factor for t, (_, _, factor) in zip(best, packed))
+        calls = [(k, factor, partial(multiply, product, packed=pack_for(product, w))) for k, w, factor in samples]
+        seconds[product] = {m: pass_seconds(calls, m, repeats) for m in TIMED_ROWS}
     return seconds
+
+def _times(seconds: dict[str, dict[int, float]]) -> str:
+    return ', '.join(f"{p} {' / '.join(f'{1e3 * s:.1f}' for s in t.values())}" for p, t in seconds.items())
 
 @cache
 def _measured(shapes: tuple[tuple[tuple[int, int], int], ...], threads: int) -> tuple[str, dict[str, dict[int, float]]]:
     seconds = time_products(dict(shapes))
     choice = min(seconds, key=lambda p: sum(seconds[p].values()))
-    times = ', '.join(f"{p} {' / '.join(f'{1e3 * s:.1f}' for s in t.values())}" for p, t in seconds.items())
-    log.info('CPU linear layers: %s (ms a pass over the weights at %s rows: %s)', choice, TIMED_ROWS, times)
+    log.info('CPU linear layers: %s (ms a pass over the weights at %s rows: %s)', choice, TIMED_ROWS, _times(seconds))
     return choice, seconds
 
 def measure_products(shapes: dict[tuple[int, int], int]) -> tuple[str, dict[str, dict[int, float]]]:
@@ -89,20 +99,82 @@ def choose_product(shapes: dict[tuple[int, int], int]) -> str:
     if forced not in products(): raise ValueError(f'{LINEAR_ENV}={forced!r}: this process can run {products()}')
     return forced
 
+# %% ../nbs/91_cpu_backend.ipynb #d3fc06bc
+QUANT_LINEAR_ENV = 'NANOSERVE_CPU_QUANT_LINEAR'   # 'c' or 'torch': that product for quantized weights, measure nothing
+
+def quantized_products() -> list[str]:
+    "The products this process can run on quantized weights: the C one on their blocks (appendix A), and 07a's own."
+    return ['c'] * (cpu_kernels() is not None) + ['torch']
+
+def c_takes(weight: QuantizedWeight) -> bool:
+    "Whether the C product takes `weight`: a format it knows, contiguous blocks on the CPU, groups of 32k."
+    try: pack_quantized(weight)
+    except ValueError: return False
+    return True
+
+def time_quantized_products(weights: list[QuantizedWeight], repeats: int = 3) -> dict[str, dict[int, float]]:
+    "Seconds each product takes for one pass over `weights` at each of `TIMED_ROWS` (up to 4 of a format and shape)."
+    by_kind: dict[tuple, list[QuantizedWeight]] = {}
+    for w in weights: by_kind.setdefault((w.quant_type, w.shape), []).append(w)
+    samples = [(w, len(ws) / len(ws[:SAMPLE_WEIGHTS])) for ws in by_kind.values() for w in ws[:SAMPLE_WEIGHTS]]
+    seconds = {}
+    for product in quantized_products():
+        calls = [(w.shape[1], factor, partial(linear_quantized_cpu, packed=pack_quantized(w)) if product == 'c'
+                  else w.linear) for w, factor in samples]
+        seconds[product] = {m: pass_seconds(calls, m, repeats) for m in TIMED_ROWS}
+    return seconds
+
+_quantized_measured: dict[tuple, tuple[str, dict[str, dict[int, float]]]] = {}   # kept for the process
+
+def measure_quantized_products(weights: list[QuantizedWeight]) -> tuple[str, dict[str, dict[int, float]]]:
+    "The fastest product for these quantized weights, and the times: once a process per formats, shapes and threads."
+    key = (tuple(sorted(Counter((w.quant_type, w.shape) for w in weights).items())), torch.get_num_threads())
+    if key not in _quantized_measured:
+        seconds = time_quantized_products(weights)
+        choice = min(seconds, key=lambda p: sum(seconds[p].values()))
+        log.info('CPU quantized linear layers: %s (ms a pass over the weights at %s rows: %s)', choice, TIMED_ROWS,
+                 _times(seconds))
+        _quantized_measured[key] = choice, seconds
+    return _quantized_measured[key]
+
+def choose_quantized_product(weights: list[QuantizedWeight]) -> str:
+    "The product for these quantized weights: `$NANOSERVE_CPU_QUANT_LINEAR` if set, else the fastest measured."
+    forced = os.environ.get(QUANT_LINEAR_ENV)
+    if not forced: return measure_quantized_products(weights)[0]
+    if forced not in quantized_products():
+        raise ValueError(f'{QUANT_LINEAR_ENV}={forced!r}: this process can run {quantized_products()}')
+    return forced
+
+def release_int4pack(weight: QuantizedWeight):
+    "Free 07a's int4pack copy of the blocks (as large as they are) once the C product reads the blocks themselves."
+    if weight.kernel != 'int4pack': return
+    del weight.packed, weight.scales_and_zeros
+    weight.kernel = None          # what the C product does not take (bf16 rows, say), 07a dequantizes in chunks
+
 # %% ../nbs/91_cpu_backend.ipynb #91a00006
 class PackedLinears:
-    "A model's fp32 CPU linear and LM-head weights, packed for one product; `linear` multiplies by them."
-    def __init__(self, model: nn.Module, product: str | None = None):   # None: `choose_product`'s for the shapes
+    "A model's CPU linear and LM-head weights, packed: fp32 ones for one product, quantized ones (07a) for another."
+    def __init__(self, model: nn.Module,
+                 product: str | None = None,              # for fp32 weights; None: `choose_product`'s for the shapes
+                 quantized_product: str | None = None):   # for quantized ones; None: `choose_quantized_product`'s
         layers = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
-        weights = {id(m.weight): m.weight for m in model.modules()
-                   if isinstance(m, layers) and isinstance(m.weight, torch.Tensor) and m.weight.is_cpu
-                   and m.weight.dtype == torch.float32}   # a QuantizedWeight (chapter 07a) computes by itself
+        held = {id(m.weight): m.weight for m in model.modules() if isinstance(m, layers)}
+        weights = {key: w for key, w in held.items()
+                   if isinstance(w, torch.Tensor) and w.is_cpu and w.dtype == torch.float32}
         shapes = Counter(tuple(w.shape) for w in weights.values())
         self.product = product or (choose_product(dict(shapes)) if shapes else 'torch')
         # id(weight) -> (the weight, kept alive; the weight as the product takes it)
         self._packed = {key: (w, pack_for(self.product, w)) for key, w in weights.items()}
+        quantized = [w for w in held.values() if isinstance(w, QuantizedWeight) and c_takes(w)]
+        # None when the model has no quantized weight the C product takes
+        self.quantized_product = quantized_product or (choose_quantized_product(quantized) if quantized else None)
+        self._quantized: dict[int, tuple[QuantizedWeight, QuantizedLinear]] = {}   # id -> (weight, its record)
+        if self.quantized_product == 'c':
+            for w in quantized:
+                release_int4pack(w)
+                self._quantized[id(w)] = (w, pack_quantized(w))
 
-    def __len__(self) -> int: return len(self._packed)
+    def __len__(self) -> int: return len(self._packed) + len(self._quantized)
 
     def packed_weight(self, weight: torch.Tensor):
         "`weight` as the product takes it, if it was packed."
@@ -113,13 +185,20 @@ class PackedLinears:
         "The C product's panels of `weight`, if it was packed for the C product."
         return self.packed_weight(weight) if self.product == 'c' else None
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def c_weight(self, weight: torch.Tensor | QuantizedWeight) -> Panels | QuantizedLinear | None:
+        "`weight` as a C product takes it (panels, or a quantized weight's record), if it was packed for one."
+        quantized = self._quantized.get(id(weight))
+        return quantized[1] if quantized is not None else self.panels(weight)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
         "`F.linear`, through the product for a packed weight and fp32 rows on the CPU."
         # NOTE: the same products summed in another order: equal to F.linear to fp32 rounding, not bit for bit.
+        fits = x.dim() == 2 and x.dtype == torch.float32 and x.is_cpu and not x.requires_grad
+        quantized = self._quantized.get(id(weight))
+        if quantized is not None and fits: return linear_quantized_cpu(x, quantized[1], bias)
         packed = self._packed.get(id(weight))
-        if packed is None: return F.linear(x, weight, bias)
-        fits = x.dim() == 2 and x.dtype == torch.float32 and x.is_cpu and not (x.requires_grad or weight.requires_grad)
-        if not fits: return F.linear(x, weight, bias)
+        if packed is None or not fits or weight.requires_grad: return F.linear(x, weight, bias)
         return multiply(self.product, x, packed[1], bias)
 
 def cpu_ops(packed: PackedLinears) -> Ops:
@@ -128,7 +207,7 @@ def cpu_ops(packed: PackedLinears) -> Ops:
 
 # %% ../nbs/91_cpu_backend.ipynb #91a0000a
 def decoder_weights(model: DecoderForCausalLM, packed: PackedLinears) -> DecoderWeights | None:
-    "The model's layers as `decode_layers_cpu` takes them, if it can: one rank, no q/k norm, all in C panels."
+    "The model's layers as `decode_layers_cpu` takes them, if it can: one rank, no q/k norm, all for C products."
     decoder = model.model
     first = decoder.layers[0]
     attn0 = first.self_attn
@@ -141,11 +220,11 @@ def decoder_weights(model: DecoderForCausalLM, packed: PackedLinears) -> Decoder
     layers = []
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        panels = [packed.panels(m.weight) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        linears = [packed.c_weight(m.weight) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        if any(p is None for p in panels) or any(w.dtype != torch.float32 or not w.is_cpu for w in norms): return None
-        layers.append(LayerWeights(norms[0].data, panels[0], bias(attn.qkv_proj), panels[1], bias(attn.o_proj),
-                                   norms[1].data, panels[2], panels[3]))
+        if any(p is None for p in linears) or any(w.dtype != torch.float32 or not w.is_cpu for w in norms): return None
+        layers.append(LayerWeights(norms[0].data, linears[0], bias(attn.qkv_proj), linears[1], bias(attn.o_proj),
+                                   norms[1].data, linears[2], linears[3]))
     return pack_decoder(layers, H, KVH, D, decoder.norm.eps)
 
 class CpuAttentionBackend(AttentionBackend):
@@ -172,7 +251,8 @@ class CpuAttentionBackend(AttentionBackend):
     def bind(self, model: DecoderForCausalLM):
         "Pack `model`'s weights, run its layers with `cpu_ops`, and its decode steps in one call where C can."
         self.packed = PackedLinears(model)
-        log.info('CPU backend: linear layers through %s', self.packed.product)
+        log.info('CPU backend: linear layers through %s, quantized ones through %s', self.packed.product,
+                 self.packed.quantized_product)
         self.ops = cpu_ops(self.packed)
         model.use_ops(self.ops)
         self.decoder = decoder_weights(model, self.packed)

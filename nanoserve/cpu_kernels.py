@@ -13,17 +13,20 @@ from pathlib import Path
 import torch
 
 from .config import default_cache_dir
+from .quant import QuantizedWeight
 from .references import rms_norm_ref, rope_ref, silu_and_mul_ref
 
 # %% auto #0
 __all__ = ['C_VECTORS', 'C_SCORES_VALUES', 'C_ATTEND_BLOCK', 'C_PAGED_ATTENTION', 'C_RMS_NORM', 'C_ROPE', 'C_SILU_AND_MUL',
-           'C_GEMM_TILE', 'C_LINEAR', 'C_DECODE_LAYERS', 'C_SOURCE', 'ARG_STRUCTS', 'C_ENTRY_POINTS', 'CPU_KERNELS_ENV',
-           'CFLAGS', 'CACHE_KEEP', 'log', 'MAX_BLOCK', 'Blocks', 'PANEL', 'LAYER_PTRS', 'CArgs', 'c_args',
-           'PagedAttentionArgs', 'RmsNormArgs', 'RopeArgs', 'SiluAndMulArgs', 'LinearArgs', 'DecodeLayersArgs',
+           'C_GEMM_TILE', 'C_LINEAR', 'C_QUANT_VECTORS', 'C_WEIGHT_ROWS', 'C_LINEAR_QUANTIZED', 'C_DECODE_LAYERS',
+           'C_SOURCE', 'ARG_STRUCTS', 'C_ENTRY_POINTS', 'CPU_KERNELS_ENV', 'CFLAGS', 'CACHE_KEEP', 'log', 'MAX_BLOCK',
+           'Blocks', 'PANEL', 'QREC', 'QUANT_KINDS', 'LAYER_PTRS', 'CArgs', 'c_args', 'PagedAttentionArgs',
+           'RmsNormArgs', 'RopeArgs', 'SiluAndMulArgs', 'LinearArgs', 'LinearQuantizedArgs', 'DecodeLayersArgs',
            'library_source', 'kernel_cache_dir', 'library_key', 'compile_library', 'CpuLibrary', 'cpu_kernels',
            'supports', 'single_blocks', 'PagedAttention', 'paged_attention', 'shared_prefix_blocks', 'extend_blocks',
-           'rms_norm_cpu', 'rope_cpu', 'silu_and_mul_cpu', 'Panels', 'pack_panels', 'linear_cpu', 'LayerWeights',
-           'DecoderWeights', 'pack_decoder', 'decode_layers_cpu']
+           'rms_norm_cpu', 'rope_cpu', 'silu_and_mul_cpu', 'Panels', 'pack_panels', 'linear_cpu', 'QuantizedLinear',
+           'pack_quantized', 'linear_quantized_cpu', 'LayerWeights', 'DecoderWeights', 'pack_decoder',
+           'decode_layers_cpu']
 
 # %% ../nbs/90_cpu_kernels.ipynb #6713863d
 C_VECTORS = r'''
@@ -417,13 +420,281 @@ void linear_f32(const float *x, int64_t sx, const float *w, const float *bias, f
 
 '''
 
+# %% ../nbs/90_cpu_kernels.ipynb #a1e68e97
+C_QUANT_VECTORS = r'''/* ---- linear layers on quantized weights: a few rows of blocks dequantized into fp32 at a time, then multiplied ---- */
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#if defined(__F16C__)
+INLINE float f16(uint16_t h) { return _cvtsh_ss(h); }
+#else
+INLINE float f16(uint16_t h) {                         /* IEEE half to float, subnormals, inf and nan included */
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 31, m = h & 1023;
+    union { uint32_t u; float f; } v;
+    if (e == 0) { v.f = m * 5.9604644775390625e-8f; v.u |= sign; }
+    else { v.u = sign | (e == 31 ? 0x7f800000u | m << 13 : (e + 112) << 23 | m << 13); }
+    return v.f;
+}
+#endif
+
+#ifdef __AVX512F__
+#define QV 16          /* floats a vector of the quantized product: a whole AVX-512 register where there is one */
+#else
+#define QV 8
+#endif
+typedef float vq __attribute__((vector_size(4 * QV), aligned(4)));
+typedef int32_t vqi __attribute__((vector_size(4 * QV), aligned(4)));
+typedef uint8_t vqu8 __attribute__((vector_size(QV), aligned(1)));
+typedef int8_t vqs8 __attribute__((vector_size(QV), aligned(1)));
+#define LDQ(p) (*(const vq *)(p))
+/* QV bytes at p as QV int32: one instruction where the target has it (the compiler's own conversion is a byte at a time) */
+#if defined(__AVX512F__)
+INLINE vqi U8(const uint8_t *p) { return (vqi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+INLINE vqi S8(const int8_t *p) { return (vqi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+#elif defined(__AVX2__)
+INLINE vqi U8(const uint8_t *p) { return (vqi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+INLINE vqi S8(const int8_t *p) { return (vqi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+#else
+INLINE vqi U8(const uint8_t *p) { return __builtin_convertvector(*(const vqu8 *)p, vqi); }
+INLINE vqi S8(const int8_t *p) { return __builtin_convertvector(*(const vqs8 *)p, vqi); }
+#endif
+#define F32(i) __builtin_convertvector((i), vq)
+
+/* A weight as linear_quantized_f32 (and decode_layers_f32) reads it, a record of QREC int64s: its kind, its group
+   (weights of a row per scale) and the addresses of its fields, each [N, ...] row-major, as chapter 07a keeps them;
+   a Q_PANELS record holds the address of fp32 panels (linear_f32's) */
+enum { Q_PANELS, Q_8_0, Q_4_0, Q_4_1, Q_4_K, Q_6_K };
+enum { R_KIND, R_GROUP, R_F0, R_F1, R_F2, R_F3, QREC };
+#define FIELD(r, i, type) ((const type *)(intptr_t)(r)[i])
+
+/* n fp16 values at h as floats at out */
+INLINE void halves_to_floats(const uint16_t *h, int n, float *out) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) out[i] = f16(h[i]);
+}
+
+/* A 4-bit group's weights d q + m by their nibbles q: looked up in a register of the 16 values where AVX-512 has the
+   instruction (its index is the low 4 bits of each lane, so the low nibble needs no mask), computed otherwise */
+#ifdef __AVX512F__
+typedef vq table4;
+INLINE table4 nibble_table(float d, float m) {
+    const vq iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return iota * d + m;
+}
+INLINE vq nibbles(vqi q, table4 t) { return (vq)_mm512_permutexvar_ps((__m512i)q, (__m512)t); }
+#else
+typedef struct { float d, m; } table4;
+INLINE table4 nibble_table(float d, float m) { return (table4){d, m}; }
+INLINE vq nibbles(vqi q, table4 t) { return F32(q & 15) * t.d + t.m; }
+#endif
+
+/* the lane sums of c0..c3 */
+INLINE void sum4q(vq c0, vq c1, vq c2, vq c3, float *out) {
+#if QV == 16
+#define HALVES(c) (SHUF(c, c, 0, 1, 2, 3, 4, 5, 6, 7) + SHUF(c, c, 8, 9, 10, 11, 12, 13, 14, 15))
+    sum4(HALVES(c0), HALVES(c1), HALVES(c2), HALVES(c3), out);
+#else
+    sum4(c0, c1, c2, c3, out);
+#endif
+}
+
+'''
+
+# %% ../nbs/90_cpu_kernels.ipynb #228f8f86
+C_WEIGHT_ROWS = r'''/* Rows n .. n + nr (nr <= 4) of the weight, a vector w of the weights k .. k + QV of row r at a time, as the format has
+   them (the 4 rows interleaved, a group or block of each in turn): with R = 0 stored at out + r K + k; with R = 1-4,
+   multiplied into 16 sums acc[r][i] += w * x_i[k ..] over R rows of x (sx apart), then y[i, n + r] = their lane sum
+   (+ bias[n + r]), y's rows sy apart. scales: room for 8 * (K / 32) floats. */
+#define PREFETCH_ROWS 8   /* the rows ahead whose blocks a product of few x rows prefetches (10-25% faster at 1 row here) */
+#define EMIT(r, k, w) do { const vq w_ = (w); if (!R) *(vq *)(out + (r) * K + (k)) = w_; \
+                           else for (int i_ = 0; i_ < R; i_++) acc[r][i_] += w_ * LDQ(x + i_ * sx + (k)); } while (0)
+INLINE void weight_rows(const int64_t *rec, int64_t n, const int nr, const int K, const int G, float *scales, float *out,
+                        const float *x, int64_t sx, const int R, const float *bias, float *y, int64_t sy) {
+    const int kind = (int)rec[R_KIND], groups = K / G;
+    float *ds = scales, *ms = scales + 4 * groups;
+    vq acc[4][4] = {{{0}}};
+    if (kind == Q_8_0) {                                              /* qs int8 [N, K], d fp16 [N, K / G]: w = d q */
+        const int8_t *q = FIELD(rec, R_F0, int8_t) + n * K;
+        halves_to_floats(FIELD(rec, R_F1, uint16_t) + n * groups, nr * groups, ds);
+        for (int g = 0; g < groups; g++)
+            _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++)
+                for (int j = g * G; j < (g + 1) * G; j += QV) {
+                    if (R && !(j & 63)) __builtin_prefetch(q + (r + PREFETCH_ROWS) * K + j, 0, 0);
+                    EMIT(r, j, F32(S8(q + r * K + j)) * ds[r * groups + g]);
+                }
+    } else if (kind == Q_4_0 || kind == Q_4_1) {     /* qs [N, K / 2]: byte j of a group, weights j and j + G / 2 */
+        const uint8_t *q = FIELD(rec, R_F0, uint8_t) + n * (K / 2);
+        halves_to_floats(FIELD(rec, R_F1, uint16_t) + n * groups, nr * groups, ds);
+        if (kind == Q_4_1) halves_to_floats(FIELD(rec, R_F2, uint16_t) + n * groups, nr * groups, ms);
+        else for (int g = 0; g < nr * groups; g++) ms[g] = -8.0f * ds[g];             /* d (q - 8) = d q - 8 d */
+        for (int g = 0; g < groups; g++)
+            _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {
+                const table4 t = nibble_table(ds[r * groups + g], ms[r * groups + g]);
+                for (int j = 0; j < G / 2; j += QV) {
+                    const uint8_t *qj = q + r * (K / 2) + g * (G / 2) + j;
+                    if (R && !((g * (G / 2) + j) & 63)) __builtin_prefetch(qj + PREFETCH_ROWS * (K / 2), 0, 0);
+                    const vqi b = U8(qj);
+                    EMIT(r, g * G + j, nibbles(b, t));
+                    EMIT(r, g * G + G / 2 + j, nibbles(b >> 4, t));
+                }
+            }
+    } else if (kind == Q_4_K) {       /* per 256: qs [128], d, dmin fp16, scales [12]: 8 six-bit scales and mins */
+        const uint8_t *qs = FIELD(rec, R_F0, uint8_t) + n * (K / 2), *sc = FIELD(rec, R_F3, uint8_t) + n * (K / 256) * 12;
+        const uint16_t *d = FIELD(rec, R_F1, uint16_t) + n * (K / 256), *dmin = FIELD(rec, R_F2, uint16_t) + n * (K / 256);
+        for (int s = 0; s < K / 256; s++)
+            _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {
+                const uint8_t *b = sc + (r * (K / 256) + s) * 12, *q = qs + r * (K / 2) + s * 128;
+                const float dd = f16(d[r * (K / 256) + s]), dm = f16(dmin[r * (K / 256) + s]);
+                table4 t[8];                                  /* w = (d sc) q - dmin mn, sub-block i of 32 */
+                for (int i = 0; i < 4; i++) {
+                    t[i] = nibble_table(dd * (b[i] & 63), -(dm * (b[i + 4] & 63)));
+                    t[i + 4] = nibble_table(dd * ((b[i + 8] & 15) | (b[i] >> 6) << 4),
+                                            -(dm * ((b[i + 8] >> 4) | (b[i + 4] >> 6) << 4)));
+                }
+                for (int p = 0; p < 4; p++)                    /* 32 bytes: sub-block 2p low nibbles, 2p + 1 high */
+                    for (int j = 0; j < 32; j += QV) {
+                        const vqi v = U8(q + 32 * p + j);
+                        EMIT(r, s * 256 + 64 * p + j, nibbles(v, t[2 * p]));
+                        EMIT(r, s * 256 + 64 * p + 32 + j, nibbles(v >> 4, t[2 * p + 1]));
+                    }
+            }
+    } else {                          /* Q6_K, per 256: ql [128], qh [64], scales int8 [16], d fp16 */
+        const uint8_t *ql = FIELD(rec, R_F0, uint8_t) + n * (K / 2), *qh = FIELD(rec, R_F2, uint8_t) + n * (K / 4);
+        const uint16_t *d = FIELD(rec, R_F1, uint16_t) + n * (K / 256);
+        const int8_t *sc = FIELD(rec, R_F3, int8_t) + n * (K / 16);
+        for (int s = 0; s < K / 256; s++)
+            _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {
+                const float dd = f16(d[r * (K / 256) + s]);
+                for (int h = 0; h < 2; h++)                    /* 128 weights: 64 bytes of ql, 32 of qh */
+                    for (int t = 0; t < 4; t++)                /* 32 of them: a nibble of ql, two bits of qh */
+                        for (int i = 0; i < 32; i += QV) {
+                            const int p = 256 * s + 128 * h + 32 * t + i;
+                            const vqi lo = (U8(ql + r * (K / 2) + 128 * s + 64 * h + 32 * (t & 1) + i) >> (4 * (t >> 1))) & 15;
+                            const vqi hi = (U8(qh + r * (K / 4) + 64 * s + 32 * h + i) >> (2 * t)) & 3;
+                            EMIT(r, p, F32((lo | hi << 4) - 32) * (dd * sc[r * (K / 16) + p / 16]));
+                        }
+            }
+    }
+    for (int i = 0; i < R; i++) {
+        float sums[4];
+        sum4q(acc[0][i], acc[1][i], acc[2][i], acc[3][i], sums);
+        for (int r = 0; r < nr; r++) y[i * sy + n + r] = sums[r] + (bias ? bias[n + r] : 0.0f);
+    }
+}
+
+/* weight_rows for R rows of x, nr (1-4) weight rows and groups of G, each case compiled on its own */
+INLINE void weight_rows_by(const int64_t *rec, int64_t n, int nr, int K, float *scales, float *out, const float *x,
+                           int64_t sx, const int R, const float *bias, float *y, int64_t sy) {
+    const int G = (int)rec[R_GROUP];
+    if (nr == 4 && G == 32) weight_rows(rec, n, 4, K, 32, scales, out, x, sx, R, bias, y, sy);
+    else if (nr == 4) weight_rows(rec, n, 4, K, G, scales, out, x, sx, R, bias, y, sy);
+    else weight_rows(rec, n, nr, K, G, scales, out, x, sx, R, bias, y, sy);
+}
+
+'''
+
+# %% ../nbs/90_cpu_kernels.ipynb #5babc3b3
+C_LINEAR_QUANTIZED = r'''/* y[i, j] = x[i] . w[j] (+ bias[j]) for R (1-4) rows of x (sx apart) and 4 rows of w (K floats each, K % QV == 0);
+   y rows sy apart, only its first nc (<= 4) columns written */
+INLINE void dot_tile(const float *x, int64_t sx, const float *w, int K, const float *bias, float *y, int64_t sy, int R,
+                     int nc) {
+    vq c[4][4] = {{{0}}};
+    for (int k = 0; k < K; k += QV) {
+        const vq w0 = LDQ(w + k), w1 = LDQ(w + K + k), w2 = LDQ(w + 2 * K + k), w3 = LDQ(w + 3 * K + k);
+        for (int i = 0; i < R; i++) {
+            const vq a = LDQ(x + i * sx + k);
+            c[i][0] += a * w0; c[i][1] += a * w1; c[i][2] += a * w2; c[i][3] += a * w3;
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        float s[4];
+        sum4q(c[i][0], c[i][1], c[i][2], c[i][3], s);
+        for (int j = 0; j < nc; j++) y[i * sy + j] = s[j] + (bias ? bias[j] : 0.0f);
+    }
+}
+
+#define QROWS 64   /* weight rows a thread dequantizes at a time for more than 4 rows of x: each tile of x meets them */
+
+/* y [M, N] (rows sy apart) = x [M, K] (rows sx apart) w^T (+ bias [N]) for a quantized weight w (its record rec): each
+   thread takes a contiguous range of w's rows, 4 at a time; for up to 4 rows of x it multiplies them straight from the
+   blocks, for more it dequantizes QROWS rows at a time into fp32 and multiplies by those in tiles. Returns -4 when out
+   of memory. */
+int linear_quantized_f32(const float *x, int64_t sx, const int64_t *rec, const float *bias, float *y, int64_t sy,
+                         int64_t M, int N, int K, int threads) {
+    const int units = (N + 3) / 4, rows = M <= 4 ? 0 : QROWS;
+    if (units < threads) threads = 1;
+    int err = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int n0 = (int)((int64_t)units * t / nt) * 4, n1 = (int)((int64_t)units * (t + 1) / nt) * 4;
+        const int end = n1 < N ? n1 : N;
+        float *buf = aligned_alloc(64, (sizeof(float) * ((int64_t)rows * K + K / 4) + 63) & ~(size_t)63);
+        float *scales = buf + (int64_t)rows * K;
+        if (!buf) {
+            #pragma omp atomic write
+            err = -4;
+        } else if (M <= 4) {
+            for (int n = n0; n < end; n += 4) {
+                const int nr = end - n < 4 ? end - n : 4;
+                switch (M) {
+                    case 4: weight_rows_by(rec, n, nr, K, scales, 0, x, sx, 4, bias, y, sy); break;
+                    case 3: weight_rows_by(rec, n, nr, K, scales, 0, x, sx, 3, bias, y, sy); break;
+                    case 2: weight_rows_by(rec, n, nr, K, scales, 0, x, sx, 2, bias, y, sy); break;
+                    default: weight_rows_by(rec, n, nr, K, scales, 0, x, sx, 1, bias, y, sy); break;
+                }
+            }
+        } else {
+            for (int p = n0; p < end; p += rows) {
+                const int nr = end - p < rows ? end - p : rows;
+                for (int j = 0; j < nr; j += 4)
+                    weight_rows_by(rec, p + j, nr - j < 4 ? nr - j : 4, K, scales, buf + (int64_t)j * K, 0, 0, 0, 0, 0, 0);
+                if (nr % 4) memset(buf + (int64_t)nr * K, 0, sizeof(float) * (4 - nr % 4) * K);
+                for (int64_t i = 0; i < M; i += 4) {
+                    const float *xi = x + i * sx;
+                    for (int j = 0; j < nr; j += 4) {
+                        const float *wj = buf + (int64_t)j * K, *bj = bias ? bias + p + j : 0;
+                        float *yij = y + i * sy + p + j;
+                        const int nc = nr - j < 4 ? nr - j : 4;
+                        switch (M - i < 4 ? M - i : 4) {
+                            case 4: dot_tile(xi, sx, wj, K, bj, yij, sy, 4, nc); break;
+                            case 3: dot_tile(xi, sx, wj, K, bj, yij, sy, 3, nc); break;
+                            case 2: dot_tile(xi, sx, wj, K, bj, yij, sy, 2, nc); break;
+                            default: dot_tile(xi, sx, wj, K, bj, yij, sy, 1, nc); break;
+                        }
+                    }
+                }
+            }
+        }
+        free(buf);
+    }
+    return err;
+}
+'''
+
 # %% ../nbs/90_cpu_kernels.ipynb #b55cb501
 C_DECODE_LAYERS = r'''/* ---- a decode step's decoder layers in one call ---- */
 
-/* The addresses decode_layers_f32 reads for each layer (w + l * LAYER_PTRS): the two RMSNorm weights, the packed
-   weights (panels) of the four linear layers and their biases (0 for none) */
-enum { W_NORM1, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_NORM2, W_GATE_UP, W_DOWN, LAYER_PTRS };
+/* What decode_layers_f32 reads for each layer (w + l * LAYER_PTRS): the addresses of the two RMSNorm weights and of the
+   biases (0 for none), then the record (QREC int64s) of each of the four linear layers' weights: fp32 panels or blocks */
+enum { W_NORM1, W_QKV_BIAS, W_O_BIAS, W_NORM2, W_QKV, W_O = W_QKV + QREC, W_GATE_UP = W_O + QREC,
+       W_DOWN = W_GATE_UP + QREC, LAYER_PTRS = W_DOWN + QREC };
 #define PTR(l, i) ((const float *)(intptr_t)w[(int64_t)(l) * LAYER_PTRS + (i)])
+#define REC(l, i) (w + (int64_t)(l) * LAYER_PTRS + (i))
+
+/* linear_f32 or linear_quantized_f32, as the weight's record says */
+INLINE int linear_weight_f32(const float *x, int64_t sx, const int64_t *rec, const float *bias, float *y, int64_t sy,
+                             int64_t M, int N, int K, int threads) {
+    if (rec[R_KIND] != Q_PANELS) return linear_quantized_f32(x, sx, rec, bias, y, sy, M, N, K, threads);
+    linear_f32(x, sx, FIELD(rec, R_F0, float), bias, y, sy, M, N, K, threads);
+    return 0;
+}
 
 /* The L decoder layers of a decode step (T tokens, one a request), the kernels above called in the order of the
    model's own forward, so the result is the same to the bit: per layer, RMSNorm (adding the residual), q/k/v
@@ -431,7 +702,7 @@ enum { W_NORM1, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_NORM2, W_GATE_UP, W_DOWN, LA
    blocks), output projection, RMSNorm (adding the residual), gate/up projection, SiLU-and-mul, down projection.
    hidden [T, C]: the embeddings in, the last layer's output out; residual [T, C]: the residual stream out (layer 0
    starts it from the embeddings, as the model does). k, v: the pools of all layers, layer_stride floats apart.
-   work: T * (C + (H + 2 KVH) D + H D + 3 I) floats. Returns 0 or paged_attention_f32's error. */
+   work: T * (C + (H + 2 KVH) D + H D + 3 I) floats. Returns 0, paged_attention_f32's error or -4 (out of memory). */
 int decode_layers_f32(int64_t T, int L, int C, int H, int KVH, int D, int I, float eps, const int64_t *w,
                       float *hidden, float *residual, const int64_t *positions, const float *cos_sin, int64_t scs,
                       float *k, float *v, int64_t layer_stride, int64_t num_slots, const int64_t *new_slots,
@@ -441,21 +712,22 @@ int decode_layers_f32(int64_t T, int L, int C, int H, int KVH, int D, int I, flo
     const int QKV = (H + 2 * KVH) * D;
     float *normed = work, *qkv = normed + T * C, *att = qkv + T * QKV, *gate_up = att + T * H * D, *act = gate_up + T * 2 * I;
     for (int l = 0; l < L; l++) {
+        int err;
         if (l == 0) {
             memcpy(residual, hidden, sizeof(float) * T * C);
             rms_norm_f32(hidden, C, 0, 0, PTR(l, W_NORM1), normed, 0, T, C, eps, threads);
         } else rms_norm_f32(hidden, C, residual, C, PTR(l, W_NORM1), normed, residual, T, C, eps, threads);
-        linear_f32(normed, C, PTR(l, W_QKV), PTR(l, W_QKV_BIAS), qkv, QKV, T, QKV, C, threads);
+        if ((err = linear_weight_f32(normed, C, REC(l, W_QKV), PTR(l, W_QKV_BIAS), qkv, QKV, T, QKV, C, threads))) return err;
         rope_f32(qkv, QKV, H, qkv + H * D, QKV, KVH, T, D, positions, cos_sin, scs, threads);
-        int err = paged_attention_f32(qkv, QKV, k + l * layer_stride, v + l * layer_stride, page_table, num_rows, width, rows, lens,
-                                      att, scratch, scratch_stride, threads, T, H, KVH, D, ps, scale, order, starts, shared,
-                                      num_blocks, qkv + H * D, qkv + (H + KVH) * D, QKV, QKV, new_slots, T, num_slots);
+        err = paged_attention_f32(qkv, QKV, k + l * layer_stride, v + l * layer_stride, page_table, num_rows, width, rows, lens,
+                                  att, scratch, scratch_stride, threads, T, H, KVH, D, ps, scale, order, starts, shared,
+                                  num_blocks, qkv + H * D, qkv + (H + KVH) * D, QKV, QKV, new_slots, T, num_slots);
         if (err) return err;
-        linear_f32(att, H * D, PTR(l, W_O), PTR(l, W_O_BIAS), hidden, C, T, C, H * D, threads);
+        if ((err = linear_weight_f32(att, H * D, REC(l, W_O), PTR(l, W_O_BIAS), hidden, C, T, C, H * D, threads))) return err;
         rms_norm_f32(hidden, C, residual, C, PTR(l, W_NORM2), normed, residual, T, C, eps, threads);
-        linear_f32(normed, C, PTR(l, W_GATE_UP), 0, gate_up, 2 * I, T, 2 * I, C, threads);
+        if ((err = linear_weight_f32(normed, C, REC(l, W_GATE_UP), 0, gate_up, 2 * I, T, 2 * I, C, threads))) return err;
         silu_and_mul_f32(gate_up, 2 * I, act, T, I, threads);
-        linear_f32(act, I, PTR(l, W_DOWN), 0, hidden, C, T, C, I, threads);
+        if ((err = linear_weight_f32(act, I, REC(l, W_DOWN), 0, hidden, C, T, C, I, threads))) return err;
     }
     return 0;
 }
@@ -463,7 +735,8 @@ int decode_layers_f32(int64_t T, int L, int C, int H, int KVH, int D, int I, flo
 
 # %% ../nbs/90_cpu_kernels.ipynb #7cc36b96
 C_SOURCE = (C_VECTORS + C_SCORES_VALUES + C_ATTEND_BLOCK + C_PAGED_ATTENTION      # each part uses only the parts before it
-            + C_RMS_NORM + C_ROPE + C_SILU_AND_MUL + C_GEMM_TILE + C_LINEAR + C_DECODE_LAYERS)
+            + C_RMS_NORM + C_ROPE + C_SILU_AND_MUL + C_GEMM_TILE + C_LINEAR
+            + C_QUANT_VECTORS + C_WEIGHT_ROWS + C_LINEAR_QUANTIZED + C_DECODE_LAYERS)
 
 # %% ../nbs/90_cpu_kernels.ipynb #c2d3e4f5
 _C_SCALARS = {'int': ctypes.c_int, 'int64_t': ctypes.c_int64, 'float': ctypes.c_float}
@@ -560,6 +833,13 @@ class LinearArgs(CArgs):
         int64_t num_rows; int out_features; int in_features; int threads'''
 
 @c_args
+class LinearQuantizedArgs(CArgs):
+    "`linear_quantized_f32`: rows times a weight kept as quantized blocks (the record's), plus a bias."
+    entry = 'nanoserve_linear_quantized'
+    c_fields = '''const float *x; int64_t x_stride; const int64_t *weight; const float *bias; float *y; int64_t y_stride;
+        int64_t num_rows; int out_features; int in_features; int threads'''
+
+@c_args
 class DecodeLayersArgs(CArgs):
     "`decode_layers_f32`: every decoder layer of a decode step."
     entry = 'nanoserve_decode_layers'
@@ -571,7 +851,8 @@ class DecodeLayersArgs(CArgs):
         const int32_t *starts; const int32_t *shared; int64_t num_blocks; int page_size; float scale; float *scratch;
         int64_t scratch_stride; float *work; int threads'''
 
-ARG_STRUCTS = (PagedAttentionArgs, RmsNormArgs, RopeArgs, SiluAndMulArgs, LinearArgs, DecodeLayersArgs)
+ARG_STRUCTS = (PagedAttentionArgs, RmsNormArgs, RopeArgs, SiluAndMulArgs, LinearArgs, LinearQuantizedArgs,
+               DecodeLayersArgs)
 
 C_ENTRY_POINTS = r'''
 /* ---- entry points: each takes one struct (typedefs above, generated from their Python declarations) ---- */
@@ -610,6 +891,11 @@ int nanoserve_silu_and_mul(const SiluAndMulArgs *a) {
 int nanoserve_linear(const LinearArgs *a) {
     linear_f32(a->x, a->x_stride, a->panels, a->bias, a->y, a->y_stride, a->num_rows, a->out_features, a->in_features, a->threads);
     return 0;
+}
+
+int nanoserve_linear_quantized(const LinearQuantizedArgs *a) {
+    return linear_quantized_f32(a->x, a->x_stride, a->weight, a->bias, a->y, a->y_stride, a->num_rows, a->out_features,
+                                a->in_features, a->threads);
 }
 
 int nanoserve_decode_layers(const DecodeLayersArgs *a) {
@@ -990,40 +1276,92 @@ def pack_panels(weight: torch.Tensor) -> Panels:
     padded[:N] = weight.detach()
     return Panels(padded.view(P, PANEL, K).transpose(1, 2).contiguous(), N, K)
 
+def _linear_library(caller: str) -> CpuLibrary:
+    lib = cpu_kernels()
+    if lib is None: raise RuntimeError(f'{caller}: the C kernels are not available here (see cpu_kernels)')
+    return lib
+
+def _linear_input(caller: str, x: torch.Tensor, bias: torch.Tensor | None, N: int, K: int) -> torch.Tensor:
+    "`x` checked as rows of K columns for a product into N (with `bias`), its columns made adjacent."
+    if x.dim() != 2 or x.shape[1] != K or x.dtype != _F32 or not x.is_cpu:
+        raise ValueError(f'{caller}: x must be a 2-D fp32 CPU tensor of {K} columns, '
+                         f'got {tuple(x.shape)} {x.dtype} on {x.device}')
+    if bias is not None and (bias.shape != (N,) or bias.dtype != _F32 or not bias.is_cpu or not bias.is_contiguous()):
+        raise ValueError(f'{caller}: bias must be a contiguous fp32 CPU tensor of shape ({N},), '
+                         f'got {tuple(bias.shape)} {bias.dtype}')
+    return x if x.stride(1) == 1 else x.contiguous()
+
 def linear_cpu(x: torch.Tensor,               # [M, in_features] fp32 on the CPU; rows may be any distance apart
                panels: Panels,                # `pack_panels(weight)`
                bias: torch.Tensor | None = None) -> torch.Tensor:   # [out_features] fp32, or None
     "`F.linear(x, weight, bias)` by the C product, for the weight `panels` was packed from: a new `[M, out_features]`."
     # NOTE: the panels were checked when packed; per call only x and bias are (this runs ~120 times a decode step).
-    lib = cpu_kernels()
-    if lib is None: raise RuntimeError('linear_cpu: the C kernels are not available here (see cpu_kernels)')
+    lib = _linear_library('linear_cpu')
     N, K = panels.out_features, panels.in_features
-    if x.dim() != 2 or x.shape[1] != K or x.dtype != _F32 or not x.is_cpu:
-        raise ValueError(f'linear_cpu: x must be a 2-D fp32 CPU tensor of {K} columns, '
-                         f'got {tuple(x.shape)} {x.dtype} on {x.device}')
-    if bias is not None and (bias.shape != (N,) or bias.dtype != _F32 or not bias.is_cpu or not bias.is_contiguous()):
-        raise ValueError(f'linear_cpu: bias must be a contiguous fp32 CPU tensor of shape ({N},), '
-                         f'got {tuple(bias.shape)} {bias.dtype}')
-    if x.stride(1) != 1: x = x.contiguous()
+    x = _linear_input('linear_cpu', x, bias, N, K)
     y = torch.empty(x.shape[0], N)
     if x.shape[0]:
         lib(LinearArgs.of(x=x, x_stride=x.stride(0), panels=panels.data, bias=bias, y=y, y_stride=N,
                           num_rows=x.shape[0], out_features=N, in_features=K, threads=torch.get_num_threads()))
     return y
 
+# %% ../nbs/90_cpu_kernels.ipynb #22545387
+QREC = 6   # int64s in a weight record (`QREC` in the C source): kind, group, the addresses of up to four fields
+QUANT_KINDS = {'Q8_0': 1, 'int8': 1, 'Q4_0': 2, 'Q4_1': 3, 'int4': 3, 'Q4_K': 4, 'Q6_K': 5}   # `Q_8_0`, ... in C
+_QUANT_FIELDS = {1: ('qs', 'd'), 2: ('qs', 'd'), 3: ('qs', 'd', 'm'), 4: ('qs', 'd', 'dmin', 'scales'),
+                 5: ('ql', 'd', 'qh', 'scales')}   # the fields a kind's record points at, in its order
+
+class QuantizedLinear(NamedTuple):
+    "A `QuantizedWeight`'s blocks as the C product reads them, in place: a record of their addresses, and the blocks."
+    record: torch.Tensor                # [QREC] int64: kind, group, the fields' addresses
+    blocks: tuple[torch.Tensor, ...]    # the fields it points at, kept alive
+    quant_type: str
+    out_features: int
+    in_features: int
+
+def pack_quantized(weight: QuantizedWeight) -> QuantizedLinear:
+    "`weight`'s blocks for `linear_quantized_cpu`, read in place (nothing is copied): CPU, contiguous, groups of 32k."
+    kind = QUANT_KINDS.get(weight.quant_type)
+    if kind is None:
+        raise ValueError(f'pack_quantized: no C product for {weight.quant_type} (only {", ".join(QUANT_KINDS)})')
+    blocks = tuple(getattr(weight, name) for name in _QUANT_FIELDS[kind])
+    if not all(b.is_cpu and b.is_contiguous() for b in blocks):
+        raise ValueError('pack_quantized: the blocks must be contiguous CPU tensors')
+    N, K = weight.shape
+    group = K // weight.d.shape[1]
+    if group % 32: raise ValueError(f'pack_quantized: groups of {group} weights; the C product takes multiples of 32')
+    addresses = [b.data_ptr() for b in blocks]
+    record = torch.tensor([kind, group, *addresses] + [0] * (QREC - 2 - len(addresses)), dtype=torch.int64)
+    return QuantizedLinear(record, blocks, weight.quant_type, N, K)
+
+def linear_quantized_cpu(x: torch.Tensor,           # [M, in_features] fp32 on the CPU; rows may be any distance apart
+                         packed: QuantizedLinear,   # `pack_quantized(weight)`
+                         bias: torch.Tensor | None = None) -> torch.Tensor:   # [out_features] fp32, or None
+    "`F.linear(x, weight, bias)` by the C product on the blocks of the `QuantizedWeight` packed: `[M, out_features]`."
+    lib = _linear_library('linear_quantized_cpu')
+    N, K = packed.out_features, packed.in_features
+    x = _linear_input('linear_quantized_cpu', x, bias, N, K)
+    y = torch.empty(x.shape[0], N)
+    if x.shape[0] == 0: return y
+    err = lib(LinearQuantizedArgs.of(x=x, x_stride=x.stride(0), weight=packed.record, bias=bias, y=y, y_stride=N,
+                                     num_rows=x.shape[0], out_features=N, in_features=K,
+                                     threads=torch.get_num_threads()))
+    if err: raise MemoryError('linear_quantized_cpu: out of memory')
+    return y
+
 # %% ../nbs/90_cpu_kernels.ipynb #a7a6de25
-LAYER_PTRS = 8   # addresses per layer in a `DecoderWeights` table (`LAYER_PTRS` in the C source)
+LAYER_PTRS = 4 + 4 * QREC   # int64s per layer in a `DecoderWeights` table: 4 addresses, 4 weight records
 
 class LayerWeights(NamedTuple):
-    "One decoder layer's weights as the C decode step reads them (fp32, CPU)."
-    input_norm: torch.Tensor          # [C]
-    qkv: Panels                       # C -> (H + 2 KVH) D: q, k, v side by side
-    qkv_bias: torch.Tensor | None     # [(H + 2 KVH) D]
-    o: Panels                         # H D -> C
-    o_bias: torch.Tensor | None       # [C]
-    post_norm: torch.Tensor           # [C]
-    gate_up: Panels                   # C -> 2 I: gate, then up
-    down: Panels                      # I -> C
+    "One decoder layer's weights as the C decode step reads them: fp32 CPU vectors, fp32 panels or quantized blocks."
+    input_norm: torch.Tensor                  # [C]
+    qkv: Panels | QuantizedLinear             # C -> (H + 2 KVH) D: q, k, v side by side
+    qkv_bias: torch.Tensor | None             # [(H + 2 KVH) D]
+    o: Panels | QuantizedLinear               # H D -> C
+    o_bias: torch.Tensor | None               # [C]
+    post_norm: torch.Tensor                   # [C]
+    gate_up: Panels | QuantizedLinear         # C -> 2 I: gate, then up
+    down: Panels | QuantizedLinear            # I -> C
 
 class DecoderWeights(NamedTuple):
     "Decoder layers for `decode_layers_cpu`: their addresses in one table, and the layers, which keep them alive."
@@ -1043,6 +1381,11 @@ def _vector(name: str, t: torch.Tensor | None, n: int, optional: bool = False) -
                          f'{None if t is None else (tuple(t.shape), t.dtype, t.device.type)}')
     return t.data_ptr()
 
+def _record(weight: Panels | QuantizedLinear) -> list[int]:
+    "The weight's record in its layer's row of the table: the blocks' (quantized), or kind 0 and the panels' address."
+    if isinstance(weight, QuantizedLinear): return weight.record.tolist()
+    return [0, 0, weight.data.data_ptr()] + [0] * (QREC - 3)
+
 def pack_decoder(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int,
                  eps: float) -> DecoderWeights:
     "Check layers against one shape (hidden C, H and KVH heads of head_dim D, intermediate I); table their addresses."
@@ -1060,10 +1403,10 @@ def pack_decoder(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, 
             if (p.in_features, p.out_features) != (k, n):
                 raise ValueError(f'pack_decoder: layer {i} {name} maps {p.in_features} -> {p.out_features}, '
                                  f'expected {k} -> {n}')
-        rows.append([_vector(f'layer {i} input_norm', w.input_norm, C), w.qkv.data.data_ptr(),
-                     _vector(f'layer {i} qkv_bias', w.qkv_bias, (H + 2 * KVH) * D, True), w.o.data.data_ptr(),
+        rows.append([_vector(f'layer {i} input_norm', w.input_norm, C),
+                     _vector(f'layer {i} qkv_bias', w.qkv_bias, (H + 2 * KVH) * D, True),
                      _vector(f'layer {i} o_bias', w.o_bias, C, True), _vector(f'layer {i} post_norm', w.post_norm, C),
-                     w.gate_up.data.data_ptr(), w.down.data.data_ptr()])
+                     *_record(w.qkv), *_record(w.o), *_record(w.gate_up), *_record(w.down)])
     return DecoderWeights(torch.tensor(rows, dtype=torch.int64), tuple(layers), H, KVH, D, I, float(eps))
 
 def decode_layers_cpu(weights: DecoderWeights,
