@@ -146,10 +146,8 @@ def choose_quantized_product(weights: list[QuantizedWeight]) -> str:
     return forced
 
 def release_int4pack(weight: QuantizedWeight):
-    "Free 07a's int4pack copy of the blocks (as large as they are) once the C product reads the blocks themselves."
-    if weight.kernel != 'int4pack': return
-    del weight.packed, weight.scales_and_zeros
-    weight.kernel = None          # what the C product does not take (bf16 rows, say), 07a dequantizes in chunks
+    "Free the int4pack copy 07a makes on a weight's first product (timing made some) once C reads the blocks."
+    if hasattr(weight, 'packed'): del weight.packed, weight.scales_and_zeros
 
 # %% ../nbs/91_cpu_backend.ipynb #91a00006
 class PackedLinears:
