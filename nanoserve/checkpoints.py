@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Callable
 import torch
 from .config import ARCHITECTURES, default_cache_dir
+from .quant_load import gguf_config, gguf_model_dir, is_gguf
 
 # %% auto #0
 __all__ = ['SAVE_DTYPES', 'CONVERSION_STAMP', 'SMOLLM2_GGUF', 'SMOLLM2_INSTALL', 'NAMED_MODELS', 'has_conversion', 'is_converted',
-           'convert_gguf', 'smollm2_gguf', 'smollm2_path', 'resolve_model']
+           'convert_gguf', 'smollm2_gguf', 'smollm2_path', 'smollm2_model', 'resolve_model']
 
 # %% ../nbs/14z_checkpoints.ipynb #085b7d8a
 SAVE_DTYPES = {'bfloat16': torch.bfloat16, 'float16': torch.float16, 'float32': torch.float32}
@@ -34,12 +35,11 @@ def is_converted(out_dir: str | Path, gguf_file: str | Path, dtype: str = 'bfloa
 
 def _write_conversion(gguf_file: Path, dest: Path, dtype: str):
     "Dequantize `gguf_file` and write config, generation config, safetensors weights and tokenizer into `dest`."
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     from safetensors.torch import save_file
     folder, name = str(gguf_file.parent), gguf_file.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    config.__dict__.pop('quantization_config', None)   # saved dequantized: keep loaders off the GGUF path
+    config = gguf_config(gguf_file)   # saved dequantized: no quantization_config to send loaders to the GGUF
     with torch.device('meta'): model = AutoModelForCausalLM.from_config(config)
     arch = type(model).__name__
     if arch not in ARCHITECTURES:
@@ -111,9 +111,19 @@ def smollm2_path(cache_dir: str | Path | None = None, verbose: bool = False) -> 
         raise
     return convert_gguf(gguf_file, out_dir, verbose=verbose)
 
-NAMED_MODELS: dict[str, Callable[..., Path]] = {'smollm2': smollm2_path}   # model names the CLI and `LLM` resolve
+def smollm2_model(verbose: bool = False) -> Path:
+    "SmolLM2-135M-Instruct on the GGUF's own blocks (chapter 07c): the model directory of the wheel's file."
+    try: gguf_file = smollm2_gguf()
+    except FileNotFoundError:
+        converted = default_cache_dir()/'SmolLM2-135M-Instruct'
+        if has_conversion(converted): return converted   # converted before, and the wheel has gone since
+        raise
+    return gguf_model_dir(gguf_file)
+
+NAMED_MODELS: dict[str, Callable[..., Path]] = {'smollm2': smollm2_model}   # model names the CLI and `LLM` resolve
 
 def resolve_model(model: str, verbose: bool = False) -> str:
-    "A MODEL argument as the engine takes it: a named model (`smollm2`) becomes its directory; the rest is unchanged."
+    "A MODEL argument as the engine takes it: a named model or a GGUF file becomes its directory; the rest as is."
     if model in NAMED_MODELS and not Path(model).exists(): return str(NAMED_MODELS[model](verbose=verbose))
+    if is_gguf(model): return str(gguf_model_dir(model))
     return model

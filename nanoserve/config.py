@@ -13,14 +13,15 @@ from typing import Any
 import torch
 
 # %% auto #0
-__all__ = ['ARCHITECTURES', 'ROPE_TYPES', 'BATCH_POLICIES', 'ENGINE_FLAGS', 'ModelConfig', 'EngineConfig', 'resolve_device',
-           'default_num_batched_tokens', 'resolve_dtype', 'default_cache_dir', 'cdiv', 'field_docs',
+__all__ = ['ARCHITECTURES', 'ROPE_TYPES', 'BATCH_POLICIES', 'QUANTIZATIONS', 'ENGINE_FLAGS', 'ModelConfig', 'EngineConfig',
+           'resolve_device', 'default_num_batched_tokens', 'resolve_dtype', 'default_cache_dir', 'cdiv', 'field_docs',
            'add_dataclass_flags', 'dataclass_kwargs']
 
 # %% ../nbs/00_config.ipynb #5e626a7f
 ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2', 'Qwen3ForCausalLM': 'qwen3'}
 ROPE_TYPES = ('default', 'linear', 'llama3')
 BATCH_POLICIES = ('mixed', 'prefill-first', 'decode-first')   # how a step is filled (chapter 05)
+QUANTIZATIONS = ('gguf', 'int8', 'int4', 'fp8')   # weight formats (chapter 07c): a GGUF's blocks, or quantized at load
 _DTYPES = {'float32': torch.float32, 'float': torch.float32, 'bfloat16': torch.bfloat16,
            'float16': torch.float16, 'half': torch.float16}
 
@@ -122,6 +123,7 @@ class EngineConfig:
     "Every knob of the engine. Invalid values raise `ValueError` naming the knob."
     model: str = ''                      # local directory or Hugging Face hub id
     dtype: str = 'auto'                  # 'auto', 'float32', 'bfloat16' or 'float16'
+    quantization: str | None = None      # None: weights as stored (a GGUF: its blocks); 'int8', 'int4', 'fp8': at load
     device: str = 'auto'                 # 'auto', 'cpu', 'cuda' or 'cuda:N'
     tensor_parallel_size: int = 1        # GPUs the model is sharded over (tensor parallelism)
     page_size: int = 16                  # tokens per KV page
@@ -159,6 +161,8 @@ class EngineConfig:
         if not isinstance(self.cuda_graph_max_bs, int) or self.cuda_graph_max_bs < 0:
             bad('cuda_graph_max_bs', 'must be an integer >= 0')
         if not isinstance(self.seed, int): bad('seed', 'must be an integer')
+        if self.quantization not in (None, *QUANTIZATIONS):
+            bad('quantization', f"must be None or one of {', '.join(QUANTIZATIONS)}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

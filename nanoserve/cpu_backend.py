@@ -95,7 +95,8 @@ class PackedLinears:
     def __init__(self, model: nn.Module, product: str | None = None):   # None: `choose_product`'s for the shapes
         layers = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
         weights = {id(m.weight): m.weight for m in model.modules()
-                   if isinstance(m, layers) and m.weight.is_cpu and m.weight.dtype == torch.float32}
+                   if isinstance(m, layers) and isinstance(m.weight, torch.Tensor) and m.weight.is_cpu
+                   and m.weight.dtype == torch.float32}   # a QuantizedWeight (chapter 07a) computes by itself
         shapes = Counter(tuple(w.shape) for w in weights.values())
         self.product = product or (choose_product(dict(shapes)) if shapes else 'torch')
         # id(weight) -> (the weight, kept alive; the weight as the product takes it)
@@ -116,8 +117,9 @@ class PackedLinears:
         "`F.linear`, through the product for a packed weight and fp32 rows on the CPU."
         # NOTE: the same products summed in another order: equal to F.linear to fp32 rounding, not bit for bit.
         packed = self._packed.get(id(weight))
+        if packed is None: return F.linear(x, weight, bias)
         fits = x.dim() == 2 and x.dtype == torch.float32 and x.is_cpu and not (x.requires_grad or weight.requires_grad)
-        if packed is None or not fits: return F.linear(x, weight, bias)
+        if not fits: return F.linear(x, weight, bias)
         return multiply(self.product, x, packed[1], bias)
 
 def cpu_ops(packed: PackedLinears) -> Ops:

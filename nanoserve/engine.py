@@ -13,7 +13,7 @@ from .config import EngineConfig, ModelConfig, default_num_batched_tokens, resol
 from .req import Batch, Req, SamplingParams
 from .pages import PageAllocator, PageTable, to_device
 from .scheduler import ModelRunner, Scheduler, StepOutput
-from .model import load_model, resolve_model_path
+from .quant_load import load_checkpoint, resolve_checkpoint
 from .metadata import ATTENTION_BACKENDS, AttentionBackend, GraphRunner, build_metadata, make_attention_backend
 from .sampling import PromptLogprobs, SampleOutput, Sampler, SamplingBatch
 from .structured import GrammarCompiler, GrammarState, constrain_logits
@@ -101,7 +101,7 @@ class Worker:
         self.device = resolve_device(config.device)
         # 'cuda:N': this process's current device is N
         if self.device.type == 'cuda': torch.cuda.set_device(self.device)
-        self.path = resolve_model_path(config.model)
+        self.path = resolve_checkpoint(config.model)   # a model directory (a GGUF file: its own, chapter 07c)
         self.model_config = ModelConfig.from_pretrained(self.path)
         mc = self.model_config
         self.dtype = resolve_dtype(config.dtype, mc.dtype, self.device)
@@ -109,7 +109,8 @@ class Worker:
         if max_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len ({max_len}) exceeds the model's max_position_embeddings "
                              f"({mc.max_position_embeddings})")
-        self.model, _ = load_model(self.path, self.dtype, self.device, tp_rank, tp_size, max_positions=max_len + 1)
+        self.model, _ = load_checkpoint(self.path, self.dtype, self.device, tp_rank, tp_size, max_positions=max_len + 1,
+                                        quantization=config.quantization)
         self.num_pages = num_kv_pages(config, mc, self.dtype, self.device, tp_size)
         if tp_size > 1:   # every rank must hold the same pages: the smallest pool decides (chapter 12)
             num_pages = torch.tensor([self.num_pages], device=self.device)

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 # %% auto #0
-__all__ = ['GGUF_LAYOUTS', 'DEQUANTIZERS', 'BlockLayout', 'gguf_blocks', 'dequantize', 'quantize_int8', 'quantize_int4',
-           'QuantizedWeight', 'use_quantized_weight']
+__all__ = ['GGUF_LAYOUTS', 'DEQUANTIZERS', 'FP8_MAX', 'BlockLayout', 'gguf_blocks', 'dequantize', 'quantize_int8',
+           'quantize_int4', 'quantize_fp8', 'QuantizedWeight', 'use_quantized_weight']
 
 # %% ../nbs/07a_quant.ipynb #2b1fc69a
 class BlockLayout(NamedTuple):
@@ -106,9 +106,10 @@ def _dequantize_q6_k(blocks: dict) -> torch.Tensor:
     return (blocks['d'].float()[..., None] * blocks['scales'].float())[..., None] * q
 
 DEQUANTIZERS = {'Q8_0': _dequantize_q8_0, 'Q4_0': _dequantize_q4_0, 'Q4_1': _dequantize_q4_1,
-                'Q4_K': _dequantize_q4_k, 'Q6_K': _dequantize_q6_k, 'int8': _dequantize_q8_0, 'int4': _dequantize_q4_1}
+                'Q4_K': _dequantize_q4_k, 'Q6_K': _dequantize_q6_k, 'int8': _dequantize_q8_0, 'int4': _dequantize_q4_1,
+                'fp8': _dequantize_q8_0}   # fp8: one group a row, `d * q` as int8's
 
-def dequantize(quant_type: str,                    # a GGUF type name, 'int8' or 'int4'
+def dequantize(quant_type: str,                    # a GGUF type name, 'int8', 'int4' or 'fp8'
                blocks: dict[str, torch.Tensor],    # its fields, [rows, blocks per row, ...] (or some of the rows)
               ) -> torch.Tensor:                   # fp32 [rows, cols]
     "The fp32 weights of `blocks`, computed as `gguf` computes them, so equal to its dequantization bit for bit."
@@ -163,6 +164,19 @@ def quantize_int4(weight: torch.Tensor,     # [rows, cols], any float dtype
     half = group_size // 2
     return {'d': d, 'm': m, 'qs': q[..., :half] | (q[..., half:] << 4)}   # weight j low, weight j + half high
 
+FP8_MAX = 448.0   # the largest float8 e4m3 value
+
+def quantize_fp8(weight: torch.Tensor,      # [rows, cols], any float dtype
+                ) -> dict[str, torch.Tensor]:
+    "Per-channel fp8 (e4m3) `{'d': fp32 [rows, 1], 'qs': float8_e4m3fn [rows, 1, cols]}`: `w = d * q`."
+    rows, cols = weight.shape
+    w = weight.detach().float()
+    if not torch.isfinite(w).all(): raise ValueError('cannot quantize a weight holding inf or nan')
+    d = w.abs().amax(-1, keepdim=True) / FP8_MAX
+    qs = (w / torch.where(d == 0, torch.ones_like(d), d)).to(torch.float8_e4m3fn)
+    return {'d': d, 'qs': qs.view(rows, 1, cols)}
+
+
 # %% ../nbs/07a_quant.ipynb #ae7e0e03
 _FOUR_BIT = ('Q4_0', 'Q4_1', 'Q4_K', 'int4')
 _INT4PACK_GROUPS = (32, 64, 128, 256)
@@ -181,7 +195,7 @@ def _four_bit_affine(quant_type: str, blocks: dict) -> tuple[torch.Tensor, torch
 
 class QuantizedWeight(nn.Module):
     "A weight `[rows, cols]` kept as quantized blocks; `F.linear` and `F.embedding` on it compute from the blocks."
-    def __init__(self, quant_type: str,                 # a GGUF type name ('Q8_0', 'Q4_K', ...), 'int8' or 'int4'
+    def __init__(self, quant_type: str,                 # a GGUF type name ('Q8_0', 'Q4_K', ...), 'int8', 'int4', 'fp8'
                  blocks: dict[str, torch.Tensor],       # its fields (`gguf_blocks`, `quantize_int8`, `quantize_int4`)
                  dtype: torch.dtype | None = None,      # what an embedding lookup returns (default: torch's default)
                  rows_per_chunk: int = 256):            # rows dequantized at a time where no kernel applies
@@ -251,7 +265,8 @@ class QuantizedWeight(nn.Module):
 
     def _apply(self, fn, recurse=True):
         "Follow the model's moves (`.to(device)`, `.cuda()`) but never cast the blocks: their dtypes are the format."
-        as_bits = {torch.float16: torch.int16, torch.float32: torch.int32}   # the same bytes, not a float to cast
+        # the same bytes as integers, which a cast leaves alone
+        as_bits = {torch.float16: torch.int16, torch.float32: torch.int32, torch.float8_e4m3fn: torch.uint8}
         self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype              # a cast model's rows come out in its dtype
         keep_dtype = lambda t: fn(t.view(as_bits[t.dtype])).view(t.dtype) if t.dtype in as_bits else fn(t)
         return super()._apply(keep_dtype, recurse)

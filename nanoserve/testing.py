@@ -16,7 +16,7 @@ from .processes import free_port
 from .server.messages import LOG_LEVEL_ENV
 
 # %% auto #0
-__all__ = ['save_tiny_model', 'FakeRunner', 'random_page_table', 'ServerProcess', 'wait_until', 'process_gone',
+__all__ = ['save_tiny_model', 'save_tiny_gguf', 'FakeRunner', 'random_page_table', 'ServerProcess', 'wait_until', 'process_gone',
            'use_triton_interpreter']
 
 # %% ../nbs/95_testing.ipynb #35a35c63
@@ -65,6 +65,74 @@ def save_tiny_model(path: str | Path, arch: str = 'llama', seed: int = 0, tokeni
     finally:
         if bars: hf_logging.enable_progress_bar()
     return path
+
+# %% ../nbs/95_testing.ipynb #c7a1e002
+_LLAMA_CPP_ARCHS = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2', 'Qwen3ForCausalLM': 'qwen3'}
+
+def _llama_cpp_rows(w, num_heads: int):
+    "llama.cpp's row order for a Llama q or k weight: per head, the two rotary halves interleaved."
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+def save_tiny_gguf(model_dir: str | Path,      # a Llama, Qwen2 or Qwen3 directory with a tokenizer (`save_tiny_model`)
+                   out: str | Path,            # the .gguf file to write
+                   quant_type: str = 'F32',    # the 2-D weights' type: F32, F16, Q8_0, Q4_0 or Q4_1 (`gguf`'s quantizers)
+                   types: dict[str, str] | None = None,   # a type for some tensors, by GGUF name ('blk.0.attn_v.weight')
+                  ) -> Path:
+    "Write a Hugging Face directory as a GGUF file, as llama.cpp's converter does: its names, Llama's q/k row order."
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+    model_dir, out = Path(model_dir), Path(out)
+    cfg = json.loads((model_dir/'config.json').read_text())
+    tok = json.loads((model_dir/'tokenizer.json').read_text())
+    arch = _LLAMA_CPP_ARCHS[cfg['architectures'][0]]
+    num_layers, heads, kv_heads = cfg['num_hidden_layers'], cfg['num_attention_heads'], cfg['num_key_value_heads']
+    head_dim = cfg.get('head_dim') or cfg['hidden_size'] // heads
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(f'tiny-{arch}')
+    writer.add_block_count(num_layers)
+    writer.add_context_length(cfg['max_position_embeddings'])
+    writer.add_embedding_length(cfg['hidden_size'])
+    writer.add_feed_forward_length(cfg['intermediate_size'])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_freq_base(cfg.get('rope_parameters', {}).get('rope_theta', cfg.get('rope_theta', 10000.0)))
+    writer.add_layer_norm_rms_eps(cfg['rms_norm_eps'])
+    writer.add_vocab_size(cfg['vocab_size'])
+    writer.add_rope_dimension_count(head_dim)
+    special = {t['content'] for t in tok['added_tokens']}
+    tokens = sorted(tok['model']['vocab'], key=tok['model']['vocab'].get)
+    writer.add_tokenizer_model('gpt2')
+    writer.add_tokenizer_pre('default')
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else ' '.join(m) for m in tok['model']['merges']])
+    writer.add_bos_token_id(cfg['bos_token_id'])
+    writer.add_eos_token_id(cfg['eos_token_id'])
+    writer.add_pad_token_id(cfg['pad_token_id'])
+    writer.add_add_bos_token(True)
+    template = json.loads((model_dir/'tokenizer_config.json').read_text()).get('chat_template')
+    writer.add_chat_template(template or (model_dir/'chat_template.jinja').read_text())
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), num_layers)
+    for name, tensor in load_file(model_dir/'model.safetensors').items():
+        values = tensor.float().numpy()
+        gguf_name = names.get_name(name, try_suffixes=('.weight', '.bias'))
+        if arch == 'llama' and name.endswith('q_proj.weight'): values = _llama_cpp_rows(values, heads)
+        if arch == 'llama' and name.endswith('k_proj.weight'): values = _llama_cpp_rows(values, kv_heads)
+        kind = (types or {}).get(gguf_name, quant_type) if values.ndim == 2 else 'F32'
+        qtype = gguf.GGMLQuantizationType[kind]
+        block_size = gguf.GGML_QUANT_SIZES[qtype][0]
+        if values.shape[-1] % block_size: qtype = gguf.GGMLQuantizationType.F32   # as llama.cpp keeps such rows
+        data = gguf.quants.quantize(np.ascontiguousarray(values), qtype)
+        writer.add_tensor(gguf_name, data, raw_shape=values.shape if qtype.name in ('F32', 'F16') else None,
+                          raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
 
 # %% ../nbs/95_testing.ipynb #95a0c011
 class FakeRunner:

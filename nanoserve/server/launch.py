@@ -103,10 +103,10 @@ class Workers:
 def _raise_interrupt(signum, frame): raise KeyboardInterrupt
 
 def _model_dir(model: str) -> str:
-    "A local directory as is; a hub id downloaded once, here, rather than by each worker."
+    "A local directory as is; a hub id downloaded, or a GGUF file's directory written, once, here, not by each worker."
     if os.path.isdir(os.path.expanduser(model)): return os.path.expanduser(model)
-    from nanoserve.model import resolve_model_path   # imports torch: only for hub ids
-    return str(resolve_model_path(model))
+    from nanoserve.quant_load import resolve_checkpoint   # imports torch: only for hub ids and GGUF files
+    return str(resolve_checkpoint(model))
 
 def api_keys(keys: str | Sequence[str] | None = None) -> list[str]:
     "The API keys: `keys` if given, else `$NANOSERVE_API_KEY` (comma-separated); none: no key is asked for."
