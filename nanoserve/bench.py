@@ -4,11 +4,11 @@
 
 # %% ../nbs/15_bench.ipynb #8b162d4c
 from __future__ import annotations
-import copy, ctypes, gc, http.client, importlib.util, inspect, itertools, json, math, os, random, statistics
-import subprocess, sys, tempfile, threading, time
+import contextlib, copy, ctypes, gc, http.client, importlib.util, inspect, io, itertools, json, math, os, random
+import statistics, subprocess, sys, tempfile, threading, time
 import urllib.request
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 from typing import Sequence
@@ -30,7 +30,7 @@ __all__ = ['GPU_TARGETS', 'PERSON_SCHEMA', 'PERPLEXITY_TEXT', 'QUANT_FORMATS', '
            'format_table', 'result_table', 'environment_line', 'decode_throughput', 'transformers_decode_throughput',
            'decode_sweep', 'step_cost', 'scheduler_overhead', 'poisson_arrivals', 'StreamResult', 'stream_completion',
            'online_metrics', 'run_online', 'served_model', 'online_benchmark', 'ablations', 'mask_step_cost',
-           'structured_benchmark', 'quantization_knob', 'format_config', 'why_not_measured', 'QuantTarget', 'rss_bytes',
+           'structured_benchmark', 'format_config', 'why_not_measured', 'QuantTarget', 'rss_bytes',
            'release_host_memory', 'tensor_bytes', 'linear_products', 'load_engine', 'batch1_decode', 'best_and_median',
            'perplexity', 'engine_perplexity', 'measure_format', 'logits_perplexity', 'gguf_transformers_model',
            'reference_perplexity', 'llama_cpp_figures', 'llama_cpp_peer', 'quant_benchmark', 'qwen3_06b_dir',
@@ -624,25 +624,19 @@ PERPLEXITY_TEXT = (   # written for this book: plain English prose the model has
 # %% ../nbs/15_bench.ipynb #10ba34dd
 QUANT_FORMATS = ('fp32', 'gguf', 'int8', 'int4')   # fp32 is the baseline every other format is compared with
 
-def quantization_knob() -> bool:
-    "Whether this engine has the `quantization` knob that the formats other than fp32 need."
-    return 'quantization' in {f.name for f in fields(EngineConfig)}
-
 def format_config(fmt: str,                      # one of `QUANT_FORMATS`
                   folder: str | Path,            # the model directory: fp32, and int8 / int4 quantized at load
                   gguf_file: str | Path | None,  # the GGUF file whose own blocks the gguf format runs
                   **engine_kwargs) -> EngineConfig:
     "The engine config of one weight format, computing in fp32."
     if fmt == 'gguf': return EngineConfig.from_kwargs(model=str(gguf_file), dtype='float32', **engine_kwargs)
-    quantization = {} if fmt == 'fp32' else dict(quantization=fmt)
-    return EngineConfig.from_kwargs(model=str(folder), dtype='float32', **quantization, **engine_kwargs)
+    quantization = None if fmt == 'fp32' else fmt
+    return EngineConfig.from_kwargs(model=str(folder), dtype='float32', quantization=quantization, **engine_kwargs)
 
 def why_not_measured(fmt: str, gguf_file: str | Path | None) -> str | None:
     "Why format `fmt` cannot run here, or None when it can."
     if fmt not in QUANT_FORMATS: raise ValueError(f"format must be one of {', '.join(QUANT_FORMATS)}, got {fmt!r}")
-    if fmt == 'gguf' and gguf_file is None: return 'no GGUF file given'
-    if fmt != 'fp32' and not quantization_knob(): return 'this engine has no quantization knob'
-    return None
+    return 'no GGUF file given' if fmt == 'gguf' and gguf_file is None else None
 
 @dataclass(frozen=True)
 class QuantTarget:
@@ -764,7 +758,8 @@ def gguf_transformers_model(gguf_file: str | Path):
     config = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     config.__dict__.pop('quantization_config', None)     # built as a plain fp32 model, as chapter 14z converts one
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=model)['tensors']
+    with contextlib.redirect_stderr(io.StringIO()):      # its progress bar, which no setting turns off
+        tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=model)['tensors']
     missing, unexpected = model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
     if unexpected or set(missing) - {'lm_head.weight'}:      # a tied output layer is the embedding
         raise ValueError(f'{gguf_file.name}: tensors missing {missing[:4]}, unexpected {unexpected[:4]}')
@@ -811,8 +806,9 @@ def llama_cpp_peer(gguf_file: str | Path, prompt: Sequence[int], ids: Sequence[i
             'print(json.dumps(llama_cpp_figures(**json.loads(sys.argv[1]))))')
     done = subprocess.run([sys.executable, '-c', code, json.dumps(args)], capture_output=True, text=True, timeout=timeout)
     if done.returncode:
-        why = done.stderr.strip().splitlines()[-1:] or [f'exit code {done.returncode}']
-        return dict(engine='llama.cpp', absent=f'llama.cpp failed in its process (exit code {done.returncode}): {why[0]}')
+        how = f'killed by signal {-done.returncode}' if done.returncode < 0 else f'exit code {done.returncode}'
+        last = done.stderr.strip().splitlines()[-1:]
+        return dict(engine='llama.cpp', absent=f"its process failed ({how}){': ' + last[0] if last else ''}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 # %% ../nbs/15_bench.ipynb #6dbde22e
@@ -892,7 +888,7 @@ def _quant_table(res: dict) -> str:
              f"perplexity of {res['text_tokens']} tokens; the reference, transformers fp32 from "
              f"{Path(ref['weights']).name}: {ref['perplexity']:.3f}"]
     lines += [f"{r['format']}: not measured ({r['skipped']})" for r in res['formats'] if 'skipped' in r]
-    if peer and 'absent' in peer: lines.append(f"llama.cpp: not measured ({peer['absent']})")
+    if peer and 'absent' in peer: lines.append(f"llama.cpp: not measured: {peer['absent']}")
     if res['gguf_bytes']: lines.append(f"GGUF file: {res['gguf_bytes'] / 2**20:.1f} MiB")
     for t in res['targets']:
         status = 'n/a (not measured)' if t['met'] is None else 'met' if t['met'] else 'NOT met'

@@ -116,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--no-peer', action='store_true', help='skip transformers (the side-by-side peer)')
     return parser
 
+# %% ../nbs/15b_bench_cli.ipynb #4894cdea
 def _vocab(model: str) -> tuple[int, int]:
     "Token ids for random prompts: [100, 10000) clipped to the model's vocabulary."
     hi = min(10000, ModelConfig.from_pretrained(resolve_model_path(model)).vocab_size)

@@ -223,7 +223,7 @@ def _why_missing(target: QuantTarget, res: dict) -> str:
     "Why one stored `quant` run has no figure for `target`."
     row = next((r for r in res['formats'] if r['format'] == target.format), {'skipped': 'not among the formats run'})
     if 'skipped' in row: return f"{target.format} not measured: {row['skipped']}"
-    if target.key == 'batch1_vs_llama_cpp': return f"llama.cpp not measured: {(res['llama_cpp'] or {}).get('absent')}"
+    if target.key == 'batch1_vs_llama_cpp': return f"llama.cpp: {(res['llama_cpp'] or {}).get('absent', 'not run')}"
     return f'{target.key} not measured'
 
 def quant_target_rows(runs: dict[str, list[dict]]) -> list[tuple[str, ...]]:
