@@ -693,11 +693,11 @@ def tensor_bytes(module: torch.nn.Module) -> int:
     return sum(storages.values())
 
 def linear_products(engine) -> dict:
-    "The CPU backend's product for fp32 linears, its quantized product if it has one ('n/a'), and each quantized kernel."
+    "The CPU backend's products, for fp32 and quantized weights ('n/a': none), and the 07a kernel of each quantized one."
     packed = getattr(engine.worker.backend, 'packed', None)
     kernels = Counter(m.kernel or 'dequantized' for m in engine.worker.model.modules() if isinstance(m, QuantizedWeight))
-    return dict(product=getattr(packed, 'product', 'n/a'), quantized_product=getattr(packed, 'quantized_product', 'n/a'),
-                quantized_kernels=dict(kernels))
+    return dict(product=getattr(packed, 'product', 'n/a'), quantized_kernels=dict(kernels),
+                quantized_product=getattr(packed, 'quantized_product', None) or 'n/a')
 
 def load_engine(config: EngineConfig) -> tuple:
     "The engine of `config`, and what loading it took: seconds, the model's tensor bytes, the process's RSS growth."
@@ -878,7 +878,7 @@ def _quant_table(res: dict) -> str:
                      f"{peer['ppl_change']:+.2%}", None, f"llama-cpp-python {peer['version']}", None))
     header = ['format', 'batch-1 tok/s', '/ fp32', '/ llama.cpp', f"batch-{res['batch_size']} tok/s", '/ fp32',
               'perplexity', 'vs reference', 'RSS growth MiB', 'linear product',
-              'quantized product (kernels)']
+              "quantized product (07a's kernels)"]
     ref = res['reference']
     lines = [format_table(header, rows),
              f"batch 1: {res['new_tokens']} greedy tokens after a {res['prompt_tokens']}-token prompt, tokens after the "

@@ -210,10 +210,10 @@ def _quant_detail(fmt: str) -> Callable[[dict], str]:
         row = next(r for r in res['formats'] if r['format'] == fmt)
         peer = res['llama_cpp'] or {}
         llama = f"; llama.cpp {peer['batch1']['best']:.1f} tok/s" if 'batch1' in peer else ''
+        file = f" (GGUF file {res['gguf_bytes'] / 2**20:,.0f} MiB)" if res['gguf_bytes'] else ''
         return (f"batch-1 {row['batch1']['best']:.1f} tok/s{llama}; fp32 {_fp32(res)['batch1']['best']:.1f} tok/s; "
                 f"batch-{res['batch_size']} {row['batched']['best']:,.0f} tok/s; perplexity {row['perplexity']:.3f}, "
-                f"the reference {res['reference']['perplexity']:.3f}; RSS +{row['rss_growth_bytes'] / 2**20:,.0f} MiB "
-                f"(GGUF file {res['gguf_bytes'] / 2**20:,.0f} MiB)")
+                f"the reference {res['reference']['perplexity']:.3f}; RSS +{row['rss_growth_bytes'] / 2**20:,.0f} MiB{file}")
     return detail
 
 QUANT_CHECKS = tuple(Target(t.name, 'quant', t.figure, t.bound, t.at_most, t.fmt, _quant_detail(t.format))
