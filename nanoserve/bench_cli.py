@@ -11,10 +11,11 @@ import torch
 from .config import ENGINE_FLAGS, EngineConfig, ModelConfig, add_dataclass_flags, dataclass_kwargs
 from .model import resolve_model_path
 from .llm import make_engine
-from .checkpoints import resolve_model
-from .bench import (PERSON_SCHEMA, Workload, ablations, compare, decode_sweep, environment, environment_line,
-                             gpu_benchmark, load_transformers, online_benchmark, random_workload, result_table,
-                             scheduler_overhead, shared_prefix_workload, step_cost, structured_benchmark)
+from .checkpoints import resolve_model, smollm2_gguf, smollm2_path
+from .bench import (PERSON_SCHEMA, QUANT_FORMATS, Workload, ablations, compare, decode_sweep, environment,
+                             environment_line, gpu_benchmark, load_transformers, online_benchmark, quant_benchmark,
+                             random_workload, result_table, scheduler_overhead, shared_prefix_workload, step_cost,
+                             structured_benchmark)
 from .results import figure_class, plot_ablations, plot_decode_sweep, plot_stream_times
 
 # %% auto #0
@@ -22,6 +23,7 @@ __all__ = ['build_parser', 'main']
 
 # %% ../nbs/15b_bench_cli.ipynb #57c3514e
 _ENGINE_FLAGS = tuple(f for f in ENGINE_FLAGS if f != 'seed')   # --seed seeds the workload
+_QUANT_ENGINE_FLAGS = tuple(f for f in _ENGINE_FLAGS if f not in ('dtype', 'quantization'))   # set by each format
 
 def _model_args(p: argparse.ArgumentParser, peer: bool = True):
     p.add_argument('--model', default='smollm2', help="model directory, hub id or 'smollm2' (default: smollm2)")
@@ -92,6 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p, peer=False)
     _random_args(p, num_requests=32, output_len=(64, 64))
     p.add_argument('--schema', help='a JSON schema file (default: a person with name, age, city and tags)')
+    p = command('quant', 'each weight format beside fp32 and llama.cpp: batch-1 decode, a batch, perplexity, memory')
+    p.add_argument('--model', default='smollm2', help="model directory, hub id or 'smollm2' (default: smollm2)")
+    p.add_argument('--gguf', metavar='FILE', help="the model's GGUF file (default: smollm2's with --model smollm2)")
+    p.add_argument('--formats', nargs='+', choices=QUANT_FORMATS, default=list(QUANT_FORMATS),
+                   help=f"weight formats, fp32 the baseline (default: {' '.join(QUANT_FORMATS)})")
+    p.add_argument('--no-peer', action='store_true', help='skip llama.cpp (the side-by-side peer)')
+    quant_defaults = [('--prompt-len', 16, 'prompt tokens'), ('--new-tokens', 128, 'tokens generated per request'),
+                      ('--batch-size', 32, 'requests in the batch'), ('--repeats', 3, 'timed runs of each')]
+    for flag, default, what in quant_defaults:
+        p.add_argument(flag, type=int, default=default, help=f'{what} (default: {default})')
+    p.add_argument('--text-tokens', type=int, help='score the first N tokens of the text only (default: all)')
+    add_dataclass_flags(p.add_argument_group('engine (EngineConfig)'), EngineConfig, _QUANT_ENGINE_FLAGS)
     p = command('scheduler', 'host time per decode step with the fake runner (no model)')
     p.add_argument('--batch-size', type=int, default=256)
     p.add_argument('--steps', type=int, default=32)
@@ -102,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--no-peer', action='store_true', help='skip transformers (the side-by-side peer)')
     return parser
 
+# %% ../nbs/15b_bench_cli.ipynb #4894cdea
 def _vocab(model: str) -> tuple[int, int]:
     "Token ids for random prompts: [100, 10000) clipped to the model's vocabulary."
     hi = min(10000, ModelConfig.from_pretrained(resolve_model_path(model)).vocab_size)
@@ -157,6 +172,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif kind == 'structured':
         schema = json.loads(Path(args.schema).read_text()) if args.schema else PERSON_SCHEMA
         res.update(structured_benchmark(engine, _random_workload(args, vocab), schema))
+    elif kind == 'quant':
+        engine_kwargs = dataclass_kwargs(args, _QUANT_ENGINE_FLAGS)
+        try: EngineConfig(model=args.model, **engine_kwargs)
+        except ValueError as e: parser.error(str(e))
+        named = args.model == 'smollm2'     # its directory and its GGUF file, each as it is
+        folder = smollm2_path(verbose=True) if named else resolve_model(args.model, verbose=True)
+        gguf = args.gguf or (smollm2_gguf() if named else None)
+        res.update(quant_benchmark(folder, gguf, args.formats, text_tokens=args.text_tokens, prompt_len=args.prompt_len,
+                                   new_tokens=args.new_tokens, batch_size=args.batch_size, repeats=args.repeats,
+                                   peer=not args.no_peer, **engine_kwargs))
     elif kind == 'scheduler':
         res.update(scheduler_overhead(args.batch_size, args.steps, args.prompt_len, seed=args.seed))
     else:

@@ -8,12 +8,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
-from .bench import environment_line, format_table
+from .bench import QUANT_TARGETS, QuantTarget, environment_line, format_table
 
 # %% auto #0
-__all__ = ['TARGETS', 'TARGET_HEADER', 'load_runs', 'run_on', 'load_averages', 'figure_class', 'plot_decode_sweep',
-           'longest_gap_stream', 'plot_stream_times', 'plot_ablations', 'Target', 'median_run', 'target_rows',
-           'speedups_markdown', 'cpu_ablations_table']
+__all__ = ['TARGETS', 'TARGET_HEADER', 'QUANT_CHECKS', 'load_runs', 'run_on', 'load_averages', 'figure_class',
+           'plot_decode_sweep', 'longest_gap_stream', 'plot_stream_times', 'plot_ablations', 'Target', 'median_run',
+           'target_rows', 'quant_target_rows', 'speedups_markdown', 'cpu_ablations_table']
 
 # %% ../nbs/15a_results.ipynb #7e2b5a06
 def _run_key(path: Path) -> tuple[str, int]:
@@ -198,6 +198,47 @@ def target_rows(runs: dict[str, list[dict]], targets: Sequence[Target] = TARGETS
         where = f'{run_on(median)}; load averages {load_averages(results)}'
         rows.append((target.name, target.fmt.format(target.figure(median)), spread, bound, status, target.detail(median),
                      files, where))
+    return rows
+
+# %% ../nbs/15a_results.ipynb #63344e92
+def _fp32(res: dict) -> dict:
+    return next(r for r in res['formats'] if r['format'] == 'fp32')
+
+def _quant_detail(fmt: str) -> Callable[[dict], str]:
+    "The figures behind a target on format `fmt`, from one stored `quant` run."
+    def detail(res: dict) -> str:
+        row = next(r for r in res['formats'] if r['format'] == fmt)
+        peer = res['llama_cpp'] or {}
+        llama = f"; llama.cpp {peer['batch1']['best']:.1f} tok/s" if 'batch1' in peer else ''
+        file = f" (GGUF file {res['gguf_bytes'] / 2**20:,.0f} MiB)" if res['gguf_bytes'] else ''
+        return (f"batch-1 {row['batch1']['best']:.1f} tok/s{llama}; fp32 {_fp32(res)['batch1']['best']:.1f} tok/s; "
+                f"batch-{res['batch_size']} {row['batched']['best']:,.0f} tok/s; perplexity {row['perplexity']:.3f}, "
+                f"the reference {res['reference']['perplexity']:.3f}; RSS +{row['rss_growth_bytes'] / 2**20:,.0f} MiB{file}")
+    return detail
+
+QUANT_CHECKS = tuple(Target(t.name, 'quant', t.figure, t.bound, t.at_most, t.fmt, _quant_detail(t.format))
+                     for t in QUANT_TARGETS)
+
+def _why_missing(target: QuantTarget, res: dict) -> str:
+    "Why one stored `quant` run has no figure for `target`."
+    row = next((r for r in res['formats'] if r['format'] == target.format), {'skipped': 'not among the formats run'})
+    if 'skipped' in row: return f"{target.format} not measured: {row['skipped']}"
+    if target.key == 'batch1_vs_llama_cpp': return f"llama.cpp: {(res['llama_cpp'] or {}).get('absent', 'not run')}"
+    return f'{target.key} not measured'
+
+def quant_target_rows(runs: dict[str, list[dict]]) -> list[tuple[str, ...]]:
+    "The weight-format targets as `target_rows` gives them; a target that a stored run did not measure says why instead."
+    rows = []
+    for spec, check in zip(QUANT_TARGETS, QUANT_CHECKS):
+        results = runs[check.result]
+        lacking = [k for k, res in enumerate(results, 1) if spec.figure(res) is None]
+        if not lacking:
+            rows += target_rows(runs, [check])
+            continue
+        why = f"run {', '.join(map(str, lacking))}: {_why_missing(spec, results[lacking[0] - 1])}"
+        bound = ('<= ' if check.at_most else '>= ') + check.fmt.format(check.bound)
+        rows.append((check.name, '-', '-', bound, 'not measured', why, f'{check.result}.1-{len(results)}.json',
+                     f'{run_on(results[0])}; load averages {load_averages(results)}'))
     return rows
 
 # %% ../nbs/15a_results.ipynb #5f0e1a01

@@ -7,7 +7,8 @@ other work, not the tail of the run before it. Run k of benchmark NAME goes to n
 The plots of chapter 15a are then drawn from the first run of each.
 
 Usage: python scripts/store_runs.py [--runs 3] [--only NAME ...] [--first-run 1]
-Names: see RUNS below (a full round takes about half an hour on 2 cores, replicas being the longest)."""
+Names: see RUNS below (a full round takes about half an hour on 2 cores, replicas being the longest; quant runs
+SmolLM2 in four weight formats beside llama.cpp when llama-cpp-python is installed)."""
 import argparse, os, subprocess, sys, time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ RUNS = {     # name: the command, less where its JSON goes ('bench' means `nanos
     'online-overload': ['bench', *ONLINE_OVERLOAD],
     'online-overload-before': ['bench', *ONLINE_OVERLOAD, *PREFILL_FIRST],
     'structured': ['bench', 'structured', '--input-len', '32', '64'],
+    'quant': ['bench', 'quant'],
     'cpu-ablations': ['script', 'cpu_ablations.py', '32'],
     'replicas': ['script', 'replica_bench.py'],
 }
