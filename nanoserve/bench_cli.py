@@ -143,7 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # range errors first, before a model is converted or loaded
         try: EngineConfig(model=args.model, **engine_kwargs)
         except ValueError as e: parser.error(str(e))
-        model = resolve_model(args.model, verbose=True)
+        # smollm2: its fp32 directory (chapter 14z), which transformers loads too; `bench quant` runs its GGUF
+        model = str(smollm2_path(verbose=True)) if args.model == 'smollm2' else resolve_model(args.model, verbose=True)
         vocab = _vocab(model)
     if kind in ('random', 'shared-prefix', 'decode', 'step-cost', 'structured'):
         engine = make_engine(EngineConfig(model=model, **engine_kwargs))

@@ -9,7 +9,7 @@ Usage: python scripts/replica_bench.py [--model smollm2] [--groups 8 --per-group
 import argparse, json, subprocess, sys
 from pathlib import Path
 from nanoserve.bench import environment, shared_prefix_workload
-from nanoserve.checkpoints import resolve_model
+from nanoserve.checkpoints import resolve_model, smollm2_path
 from nanoserve.replicas import ROUTINGS, measure_endpoint
 from nanoserve.testing import ServerProcess
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument('--verbose', action='store_true', help="show the servers' logs")
     p.add_argument('--out', default=str(Path(__file__).parent.parent / 'nbs/bench_results/replicas.json'))
     args = p.parse_args(argv)
-    model = resolve_model(args.model, verbose=True)
+    model = str(smollm2_path(verbose=True)) if args.model == 'smollm2' else resolve_model(args.model, verbose=True)
     shape = (args.per_group, args.prefix_len, args.question_len, args.output_len)
     workload = shared_prefix_workload(args.groups, *shape, seed=args.seed)
     warm_up = shared_prefix_workload(2, *shape, seed=args.seed + 1)      # other prefixes: warms the code, not the cache
