@@ -13,7 +13,7 @@ import triton.language as tl
 # %% auto #0
 __all__ = ['INTERPRET', 'DECODE_BLOCK_N', 'GPU_ARCHS', 'MODEL_SHAPES', 'rms_norm', 'rope', 'silu_and_mul', 'store_kv',
            'decode_num_splits', 'decode_attention', 'extend_attention', 'bench_decode_attention', 'kernel_launches',
-           'capture_launches', 'compile_kernel', 'occupancy', 'check_kernels']
+           'capture_launches', 'compile_kernel', 'occupancy', 'judged', 'check_kernels']
 
 # %% ../nbs/06_kernels.ipynb #b626afdf
 INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'   # kernels run in the Triton interpreter (no GPU)
@@ -512,17 +512,21 @@ def occupancy(arch: str, registers: int, shared: int, num_warps: int) -> float:
     blocks = min(by_registers, by_shared, warp_slots // num_warps, 32)
     return blocks * num_warps / warp_slots
 
+def judged(arch: str, row: dict) -> dict:
+    "A compiled launch's row with its occupancy on `arch` and its problem: spills or too much shared memory (or None)."
+    limit_kb = GPU_ARCHS[arch][1]
+    problems = []
+    if row['spills']: problems.append(f"{row['spills']} bytes spilled")
+    if row['shared'] > limit_kb * 1024: problems.append(f"{row['shared']} bytes of shared memory > {limit_kb} KB")
+    occupied = occupancy(arch, row['registers'], row['shared'], row['num_warps'])
+    return {**row, 'occupancy': occupied, 'problem': '; '.join(problems) or None}
+
 def _compile_row(arch: str, key: tuple, constexprs: dict, config: str) -> dict:
     kernel, signature, _, options = key
     row = dict(kernel=kernel.strip('_'), config=config)
     try: row.update(compile_kernel(arch, kernel, dict(signature), constexprs, dict(options)))
     except Exception as e: return {**row, 'problem': f'does not compile: {type(e).__name__}: {str(e)[:200]}'}
-    row['occupancy'] = occupancy(arch, row['registers'], row['shared'], row['num_warps'])
-    limit_kb = GPU_ARCHS[arch][1]
-    problems = []
-    if row['spills']: problems.append(f"{row['spills']} bytes spilled")
-    if row['shared'] > limit_kb * 1024: problems.append(f"{row['shared']} bytes of shared memory > {limit_kb} KB")
-    return {**row, 'problem': '; '.join(problems) or None}
+    return judged(arch, row)
 
 def check_kernels(arch: str = 'sm_90', workers: int = 2, calls: list[tuple] | None = None) -> list[dict]:
     "Compile each distinct launch of `kernel_launches` for `arch`: registers, spills, shared, occupancy, problem."

@@ -8,7 +8,7 @@ import re
 import torch
 import triton
 import triton.language as tl
-from .kernels import GPU_ARCHS, INTERPRET, occupancy
+from .kernels import GPU_ARCHS, INTERPRET, judged
 from .quant import FP8_MAX
 
 # %% auto #0
@@ -330,12 +330,7 @@ def _compile_row(arch: str, key: tuple, constexprs: dict, attributes: dict, conf
     row = dict(kernel=kernel.strip('_'), config=config)
     try: row.update(_compile_launch(arch, kernel, dict(signature), constexprs, attributes, dict(options)))
     except Exception as e: return {**row, 'problem': f'does not compile: {type(e).__name__}: {str(e)[:200]}'}
-    row['occupancy'] = occupancy(arch, row['registers'], row['shared'], row['num_warps'])
-    limit_kb = GPU_ARCHS[arch][1]
-    problems = []
-    if row['spills']: problems.append(f"{row['spills']} bytes spilled")
-    if row['shared'] > limit_kb * 1024: problems.append(f"{row['shared']} bytes of shared memory > {limit_kb} KB")
-    return {**row, 'problem': '; '.join(problems) or None}
+    return judged(arch, row)
 
 def check_quant_kernels(arch: str = 'sm_90', workers: int = 2, calls: list[tuple] | None = None) -> list[dict]:
     "`check_kernels` for the launches of `quant_kernel_launches` (FP8 on `FP8_ARCHS` only), or of `calls`."
