@@ -4,10 +4,8 @@
 
 # %% ../nbs/15_bench.ipynb #8b162d4c
 from __future__ import annotations
-import contextlib, copy, ctypes, gc, http.client, importlib.util, inspect, io, itertools, json, math, os, random
-import statistics, subprocess, sys, tempfile, threading, time
+import copy, gc, http.client, inspect, json, math, os, random, statistics, tempfile, threading, time
 import urllib.request
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -17,24 +15,18 @@ from .config import EngineConfig, cdiv
 from .req import Req, SamplingParams, StructuredOutputsParams
 from .pages import PageAllocator, PageTable
 from .scheduler import Scheduler
-from .quant import QuantizedWeight
 from .metadata import build_metadata
 from .sampling import SamplingBatch
 from .structured import GrammarState, constrain_logits
 from .llm import make_engine
 
 # %% auto #0
-__all__ = ['GPU_TARGETS', 'PERSON_SCHEMA', 'PERPLEXITY_TEXT', 'QUANT_FORMATS', 'QUANT_TARGETS', 'QWEN3_06B', 'Workload',
-           'random_workload', 'shared_prefix_workload', 'run_nanoserve', 'left_padded', 'greedy_config',
-           'run_transformers', 'load_transformers', 'matmul_rate', 'model_params', 'compare', 'environment',
-           'format_table', 'result_table', 'environment_line', 'decode_throughput', 'transformers_decode_throughput',
-           'decode_sweep', 'step_cost', 'scheduler_overhead', 'poisson_arrivals', 'StreamResult', 'stream_completion',
-           'online_metrics', 'run_online', 'served_model', 'online_benchmark', 'ablations', 'mask_step_cost',
-           'structured_benchmark', 'format_config', 'why_not_measured', 'QuantTarget', 'rss_bytes',
-           'release_host_memory', 'tensor_bytes', 'linear_products', 'load_engine', 'batch1_decode', 'best_and_median',
-           'perplexity', 'engine_perplexity', 'measure_format', 'logits_perplexity', 'gguf_transformers_model',
-           'reference_perplexity', 'llama_cpp_figures', 'llama_cpp_peer', 'quant_benchmark', 'qwen3_06b_dir',
-           'batch1_latency', 'gpu_benchmark']
+__all__ = ['GPU_TARGETS', 'PERSON_SCHEMA', 'QWEN3_06B', 'Workload', 'random_workload', 'shared_prefix_workload', 'run_nanoserve',
+           'left_padded', 'greedy_config', 'run_transformers', 'load_transformers', 'matmul_rate', 'model_params',
+           'compare', 'environment', 'format_table', 'result_table', 'environment_line', 'decode_throughput',
+           'transformers_decode_throughput', 'decode_sweep', 'step_cost', 'scheduler_overhead', 'poisson_arrivals',
+           'StreamResult', 'stream_completion', 'online_metrics', 'run_online', 'served_model', 'online_benchmark',
+           'ablations', 'mask_step_cost', 'structured_benchmark', 'qwen3_06b_dir', 'batch1_latency', 'gpu_benchmark']
 
 # %% ../nbs/15_bench.ipynb #f895bf34
 @dataclass
@@ -307,6 +299,10 @@ def result_table(res: dict) -> str:
               'scheduler': _scheduler_table, 'gpu': _gpu_table, 'structured': _structured_table,
               'quant': _quant_table}
     return tables[res['benchmark']](res)
+
+def _quant_table(res: dict) -> str:
+    from nanoserve.bench_quant import quant_table   # the next chapter's, imported where a quant run is shown
+    return quant_table(res)
 
 def environment_line(env: dict) -> str:
     "An `environment()` in one line, as `nanoserve bench` prints it above its table."
@@ -600,304 +596,6 @@ def structured_benchmark(engine, workload: Workload, schema: dict, mask_steps: i
 PERSON_SCHEMA = {'type': 'object', 'properties': {
     'name': {'type': 'string'}, 'age': {'type': 'integer'}, 'city': {'type': 'string'},
     'tags': {'type': 'array', 'items': {'type': 'string'}}}, 'required': ['name', 'age', 'city', 'tags']}
-
-# %% ../nbs/15_bench.ipynb #e9d9e197
-PERPLEXITY_TEXT = (   # written for this book: plain English prose the model has not seen verbatim
-    "The lighthouse at the end of the harbour was built in the spring of 1871, after two winters in which the "
-    "fishing fleet lost five boats on the rocks below the northern cliff. The town could not afford a keeper from "
-    "the mainland, so the job went to the miller's widow, who lived closest to the point and had kept the mill's "
-    "accounts for twenty years without a single mistake. Every evening she climbed the ninety-two steps with a can "
-    "of oil, trimmed the wick, wound the clockwork that turned the lens, and wrote the state of the sea in a book "
-    "that is still kept in the museum by the church.\n\n"
-    "Her entries are short. Most of them give the wind, the time the lamp was lit and the time it was put out, and "
-    "the ships that passed before dark. Some nights she added a line about the weather inland, or about a boat that "
-    "came in late with its sails torn. In the autumn of 1883 she wrote that the sky had turned a strange red colour "
-    "at sunset and stayed that way for weeks; only much later did the town learn that a volcano on the other side "
-    "of the world had filled the air with fine dust.\n\n"
-    "When the lamp was changed to electricity in 1926, the engineers who came to fit the new equipment asked to "
-    "read the old books. They found that the keeper had measured the height of the tide twice a day for more than "
-    "forty years, with a marked pole she had set into the rocks herself. Her numbers were careful enough that a "
-    "university later used them to study how the coast had slowly sunk over the century. Today the light runs on "
-    "its own, checked once a month by a technician who drives out from the city, but the pole is still there, and "
-    "children who visit the point are shown how to read it.")
-
-# %% ../nbs/15_bench.ipynb #10ba34dd
-QUANT_FORMATS = ('fp32', 'gguf', 'int8', 'int4')   # fp32 is the baseline every other format is compared with
-
-def format_config(fmt: str,                      # one of `QUANT_FORMATS`
-                  folder: str | Path,            # the model directory: fp32, and int8 / int4 quantized at load
-                  gguf_file: str | Path | None,  # the GGUF file whose own blocks the gguf format runs
-                  **engine_kwargs) -> EngineConfig:
-    "The engine config of one weight format, computing in fp32."
-    if fmt == 'gguf': return EngineConfig.from_kwargs(model=str(gguf_file), dtype='float32', **engine_kwargs)
-    quantization = None if fmt == 'fp32' else fmt
-    return EngineConfig.from_kwargs(model=str(folder), dtype='float32', quantization=quantization, **engine_kwargs)
-
-def why_not_measured(fmt: str, gguf_file: str | Path | None) -> str | None:
-    "Why format `fmt` cannot run here, or None when it can."
-    if fmt not in QUANT_FORMATS: raise ValueError(f"format must be one of {', '.join(QUANT_FORMATS)}, got {fmt!r}")
-    return 'no GGUF file given' if fmt == 'gguf' and gguf_file is None else None
-
-@dataclass(frozen=True)
-class QuantTarget:
-    "A target of `nanoserve bench quant`: one figure of one format's row, and the bound it must meet."
-    format: str                  # the format whose row it reads
-    name: str                    # what is promised
-    key: str                     # the figure, a key of the row
-    bound: float
-    at_most: bool                # met when the figure is <= bound (else when it is >= bound)
-    fmt: str                     # how the figure and the bound read
-    either_way: bool = False     # the figure's size: a change in either direction counts
-
-    def figure(self, res: dict) -> float | None:
-        "The figure in a `quant_benchmark` result; None when its format or its figure was not measured."
-        row = next((r for r in res['formats'] if r['format'] == self.format), {})
-        value = row.get(self.key)
-        return abs(value) if value is not None and self.either_way else value
-
-    def met(self, res: dict) -> bool | None:
-        "Whether the result meets the bound; None when the figure was not measured."
-        value = self.figure(res)
-        if value is None: return None
-        return value <= self.bound if self.at_most else value >= self.bound
-
-QUANT_TARGETS = (
-    QuantTarget('gguf', 'gguf batch-1 decode / llama.cpp', 'batch1_vs_llama_cpp', 1.0, False, 'x{:.2f}'),
-    QuantTarget('gguf', 'gguf batch-1 decode / fp32', 'batch1_vs_fp32', 3.0, False, 'x{:.2f}'),
-    QuantTarget('gguf', 'gguf batch-32 throughput / fp32', 'batched_vs_fp32', 1.0, False, 'x{:.2f}'),
-    QuantTarget('gguf', 'gguf perplexity against the reference, either way', 'ppl_change', 0.01, True, '{:.2%}',
-                either_way=True),
-    QuantTarget('gguf', 'gguf weights resident / file size', 'resident_vs_file', 1.2, True, 'x{:.2f}'),
-    QuantTarget('int8', 'int8 perplexity against the reference', 'ppl_change', 0.02, True, '{:+.2%}'),
-    QuantTarget('int8', 'int8 batch-1 decode / fp32', 'batch1_vs_fp32', 2.0, False, 'x{:.2f}'),
-    QuantTarget('int4', 'int4 perplexity against the reference', 'ppl_change', 0.10, True, '{:+.2%}'),
-    QuantTarget('int4', 'int4 batch-1 decode / fp32', 'batch1_vs_fp32', 3.0, False, 'x{:.2f}'),
-)
-
-# %% ../nbs/15_bench.ipynb #de9f60d1
-def rss_bytes() -> int | None:
-    "This process's resident memory now (Linux's `/proc/self/statm`), or None where it cannot be read."
-    try: return int(Path('/proc/self/statm').read_text().split()[1]) * os.sysconf('SC_PAGE_SIZE')
-    except (OSError, ValueError, IndexError): return None
-
-def release_host_memory():
-    "Collect what was dropped and give the C heap's free memory back (glibc's `malloc_trim`), so RSS shows what is held."
-    gc.collect()
-    try: ctypes.CDLL('libc.so.6').malloc_trim(0)
-    except (OSError, AttributeError): pass     # not glibc: RSS may then still count freed memory
-
-def tensor_bytes(module: torch.nn.Module) -> int:
-    "Bytes of a module's parameters and buffers, each storage counted once (a tied embedding once)."
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in itertools.chain(module.parameters(), module.buffers())}
-    return sum(storages.values())
-
-def linear_products(engine) -> dict:
-    "The CPU backend's products, for fp32 and quantized weights ('n/a': none), and the 07a kernel of each quantized one."
-    packed = getattr(engine.worker.backend, 'packed', None)
-    kernels = Counter(m.kernel or 'dequantized' for m in engine.worker.model.modules() if isinstance(m, QuantizedWeight))
-    return dict(product=getattr(packed, 'product', 'n/a'), quantized_kernels=dict(kernels),
-                quantized_product=getattr(packed, 'quantized_product', None) or 'n/a')
-
-def load_engine(config: EngineConfig) -> tuple:
-    "The engine of `config`, and what loading it took: seconds, the model's tensor bytes, the process's RSS growth."
-    release_host_memory()
-    before, start = rss_bytes(), time.perf_counter()
-    engine = make_engine(config)
-    seconds = time.perf_counter() - start
-    release_host_memory()                 # what loading freed (a float copy quantized, a file read) is not held
-    after = rss_bytes()
-    growth = after - before if before is not None and after is not None else None
-    return engine, dict(load_s=seconds, tensor_bytes=tensor_bytes(engine.worker.model), rss_growth_bytes=growth)
-
-def batch1_decode(engine, prompt: Sequence[int], new_tokens: int) -> float:
-    "Decode tokens/s of one greedy request: its tokens after the first, over the time from its first token to its last."
-    req = engine.add_request(f'batch1-{time.monotonic_ns()}', prompt,
-                             SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
-    first = None
-    while engine.has_unfinished:
-        engine.step()
-        if first is None and req.output_ids: first = time.perf_counter()
-    return (new_tokens - 1) / (time.perf_counter() - first)
-
-def best_and_median(rates: Sequence[float]) -> dict:
-    "Repeated measurements of a rate: the best, the median, and every one."
-    return dict(best=max(rates), median=statistics.median(rates), runs=list(rates))
-
-def perplexity(logprobs: Sequence[float]) -> float:
-    "exp of the mean negative logprob of the scored tokens."
-    return math.exp(-statistics.fmean(logprobs))
-
-def engine_perplexity(engine, ids: Sequence[int]) -> float:
-    "Perplexity of token ids `ids` by the engine's prompt logprobs (every token but the first scored)."
-    req = engine.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
-    return perplexity([entry.logprob for entry in req.prompt_logprobs[1:]])
-
-def measure_format(config: EngineConfig, prompt: Sequence[int], prompts: Sequence[Sequence[int]], text_ids: Sequence[int],
-                   new_tokens: int = 128, repeats: int = 3) -> dict:
-    "One weight format: load it, then batch-1 decode, the batch's throughput (`repeats` runs each), and perplexity."
-    engine, loaded = load_engine(config)
-    batch = Workload('batch', [list(p) for p in prompts], [new_tokens] * len(prompts))
-    try:
-        batch1_decode(engine, prompt, 2)      # warm-up
-        batch1 = best_and_median([batch1_decode(engine, prompt, new_tokens) for _ in range(repeats)])
-        batched = best_and_median([run_nanoserve(engine, batch)['tokens_per_s'] for _ in range(repeats)])
-        return dict(loaded, **linear_products(engine), batch1=batch1, batched=batched,
-                    perplexity=engine_perplexity(engine, text_ids))
-    finally: engine.close()
-
-# %% ../nbs/15_bench.ipynb #8568328b
-def logits_perplexity(logits: torch.Tensor, ids: Sequence[int]) -> float:
-    "Perplexity of `ids` from the logits `[len(ids), vocab]` at their positions (position i scores token i + 1)."
-    logprobs = torch.log_softmax(logits[:-1].float(), -1)
-    return perplexity(logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist())
-
-def gguf_transformers_model(gguf_file: str | Path):
-    "`transformers`' fp32 model of a GGUF file: its blocks dequantized by `transformers`' own GGUF reader."
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    gguf_file = Path(gguf_file)
-    config = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-    config.__dict__.pop('quantization_config', None)     # built as a plain fp32 model, as chapter 14z converts one
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with contextlib.redirect_stderr(io.StringIO()):      # its progress bar, which no setting turns off
-        tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=model)['tensors']
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
-    if unexpected or set(missing) - {'lm_head.weight'}:      # a tied output layer is the embedding
-        raise ValueError(f'{gguf_file.name}: tensors missing {missing[:4]}, unexpected {unexpected[:4]}')
-    model.tie_weights()
-    return model.eval()
-
-def reference_perplexity(folder: str | Path, ids: Sequence[int], gguf_file: str | Path | None = None) -> dict:
-    "`transformers`' fp32 perplexity of `ids`: the model read from the GGUF file when there is one, else from `folder`."
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    model = load_transformers(folder) if gguf_file is None else gguf_transformers_model(gguf_file)
-    with torch.inference_mode(): logits = model(torch.tensor([list(ids)])).logits[0]
-    return dict(engine='transformers', weights=str(gguf_file or folder), perplexity=logits_perplexity(logits, ids))
-
-def llama_cpp_figures(gguf_file: str, prompt: list[int], ids: list[int], new_tokens: int, repeats: int,
-                      threads: int) -> dict:
-    "llama.cpp's batch-1 decode tokens/s (as `batch1_decode` times it) and its perplexity of `ids`, in this process."
-    import llama_cpp
-    llama = llama_cpp.Llama(gguf_file, n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False,
-                            n_ctx=max(len(ids), len(prompt) + new_tokens) + 16)
-    def decode() -> float:
-        llama.reset()                          # the prompt computed again each time, as nanoserve's is
-        times = []
-        for _ in llama.generate(prompt, temp=0.0):       # greedy, and never stops: ended after `new_tokens`
-            times.append(time.perf_counter())
-            if len(times) == new_tokens: break
-        return (new_tokens - 1) / (times[-1] - times[0])
-    decode()                                   # warm-up
-    rates = [decode() for _ in range(repeats)]
-    llama.reset()
-    llama.eval(ids)
-    logits = torch.from_numpy(llama.scores[:len(ids)].copy())
-    return dict(engine='llama.cpp', version=llama_cpp.__version__, threads=threads, batch1=best_and_median(rates),
-                perplexity=logits_perplexity(logits, ids))
-
-def llama_cpp_peer(gguf_file: str | Path, prompt: Sequence[int], ids: Sequence[int], new_tokens: int = 128,
-                   repeats: int = 3, threads: int | None = None, timeout: float = 900.0) -> dict:
-    "`llama_cpp_figures` on the same GGUF file and token ids in a child process (a crash there costs only its figures)."
-    if importlib.util.find_spec('llama_cpp') is None: return dict(engine='llama.cpp', absent='llama_cpp is not installed')
-    args = dict(gguf_file=str(gguf_file), prompt=list(prompt), ids=list(ids), new_tokens=new_tokens, repeats=repeats,
-                threads=threads or torch.get_num_threads())
-    code = ('import json, sys; from nanoserve.bench import llama_cpp_figures; '
-            'print(json.dumps(llama_cpp_figures(**json.loads(sys.argv[1]))))')
-    done = subprocess.run([sys.executable, '-c', code, json.dumps(args)], capture_output=True, text=True, timeout=timeout)
-    if done.returncode:
-        how = f'killed by signal {-done.returncode}' if done.returncode < 0 else f'exit code {done.returncode}'
-        last = done.stderr.strip().splitlines()[-1:]
-        return dict(engine='llama.cpp', absent=f"its process failed ({how}){': ' + last[0] if last else ''}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-# %% ../nbs/15_bench.ipynb #6dbde22e
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-def quant_benchmark(folder: str | Path,                   # the model directory (fp32; int8 and int4 are made from it)
-                    gguf_file: str | Path | None = None,  # its GGUF file: the gguf format, the reference, llama.cpp
-                    formats: Sequence[str] = QUANT_FORMATS,
-                    text: str = PERPLEXITY_TEXT,          # the text whose perplexity is measured
-                    text_tokens: int | None = None,       # score only its first tokens (None: all)
-                    prompt_len: int = 16,                 # the prompts: windows of the text's tokens
-                    new_tokens: int = 128, batch_size: int = 32, repeats: int = 3,
-                    peer: bool = True,                    # run llama.cpp beside (when installed and a GGUF is given)
-                    **engine_kwargs) -> dict:
-    "Each weight format beside fp32: batch-1 decode, a batch's throughput, perplexity, memory, the product it took."
-    from transformers import AutoTokenizer
-    ids = AutoTokenizer.from_pretrained(str(folder))(text).input_ids[:text_tokens]
-    if len(ids) < batch_size + prompt_len: raise ValueError(f'the text has {len(ids)} tokens, fewer than '
-                                                            f'batch_size + prompt_len = {batch_size + prompt_len}')
-    prompt, prompts = ids[:prompt_len], [ids[i:i + prompt_len] for i in range(batch_size)]
-    page_size = engine_kwargs.get('page_size', EngineConfig.page_size)
-    pages = batch_size * cdiv(prompt_len + new_tokens + 1, page_size) + cdiv(len(ids) + 1, page_size) + 1
-    engine_kwargs = {'num_pages': pages, **engine_kwargs}
-    res = dict(model=str(folder), gguf_file=None if gguf_file is None else str(gguf_file),
-               gguf_bytes=None if gguf_file is None else Path(gguf_file).stat().st_size, threads=torch.get_num_threads(),
-               prompt_tokens=prompt_len, new_tokens=new_tokens, batch_size=batch_size, repeats=repeats,
-               text_tokens=len(ids), reference=reference_perplexity(folder, ids, gguf_file))
-    res['llama_cpp'] = llama_cpp_peer(gguf_file, prompt, ids, new_tokens, repeats) if peer and gguf_file else None
-    rows = []
-    for fmt in formats:
-        why = why_not_measured(fmt, gguf_file)
-        if why: rows.append(dict(format=fmt, skipped=why))
-        else: rows.append(dict(format=fmt, **measure_format(format_config(fmt, folder, gguf_file, **engine_kwargs),
-                                                              prompt, prompts, ids, new_tokens, repeats)))
-    fp32 = next((r for r in rows if r['format'] == 'fp32' and 'skipped' not in r), None)
-    llama_batch1 = (res['llama_cpp'] or {}).get('batch1', {}).get('best')
-    for row in rows:
-        if 'skipped' in row: continue
-        row['batch1_vs_fp32'] = _ratio(row['batch1']['best'], fp32 and fp32['batch1']['best'])
-        row['batched_vs_fp32'] = _ratio(row['batched']['best'], fp32 and fp32['batched']['best'])
-        row['batch1_vs_llama_cpp'] = _ratio(row['batch1']['best'], llama_batch1)
-        row['ppl_change'] = row['perplexity'] / res['reference']['perplexity'] - 1
-        row['resident_vs_file'] = _ratio(row['rss_growth_bytes'], res['gguf_bytes'])
-    if res['llama_cpp'] and 'perplexity' in res['llama_cpp']:
-        res['llama_cpp']['ppl_change'] = res['llama_cpp']['perplexity'] / res['reference']['perplexity'] - 1
-    res['formats'] = rows
-    res['targets'] = [dict(name=t.name, format=t.format, value=t.figure(res), bound=t.bound, at_most=t.at_most,
-                           met=t.met(res)) for t in QUANT_TARGETS]
-    return res
-
-# %% ../nbs/15_bench.ipynb #7f0e2e66
-def _times(x: float | None) -> str | None:
-    return None if x is None else f'x{x:.2f}'
-
-def _quant_table(res: dict) -> str:
-    rows = []
-    for r in (r for r in res['formats'] if 'skipped' not in r):
-        kernels = ', '.join(f'{kernel} x{n}' for kernel, n in r['quantized_kernels'].items())
-        quantized = f"{r['quantized_product']} ({kernels})" if kernels else '-'
-        rows.append((r['format'], r['batch1']['best'], _times(r['batch1_vs_fp32']), _times(r['batch1_vs_llama_cpp']),
-                     r['batched']['best'], _times(r['batched_vs_fp32']), r['perplexity'], f"{r['ppl_change']:+.2%}",
-                     r['rss_growth_bytes'] and r['rss_growth_bytes'] / 2**20, r['product'], quantized))
-    peer = res['llama_cpp']
-    if peer and 'absent' not in peer:
-        rows.append(('llama.cpp', peer['batch1']['best'], None, None, None, None, peer['perplexity'],
-                     f"{peer['ppl_change']:+.2%}", None, f"llama-cpp-python {peer['version']}", None))
-    header = ['format', 'batch-1 tok/s', '/ fp32', '/ llama.cpp', f"batch-{res['batch_size']} tok/s", '/ fp32',
-              'perplexity', 'vs reference', 'RSS growth MiB', 'linear product',
-              "quantized product (07a's kernels)"]
-    ref = res['reference']
-    lines = [format_table(header, rows),
-             f"batch 1: {res['new_tokens']} greedy tokens after a {res['prompt_tokens']}-token prompt, tokens after the "
-             f"first over the time from the first to the last, the best of {res['repeats']}; "
-             f"batch {res['batch_size']}: output tokens over wall time, prefill included, the best of {res['repeats']}; "
-             f"{res['threads']} threads (nanoserve's torch and llama.cpp alike)",
-             f"perplexity of {res['text_tokens']} tokens; the reference, transformers fp32 from "
-             f"{Path(ref['weights']).name}: {ref['perplexity']:.3f}"]
-    lines += [f"{r['format']}: not measured ({r['skipped']})" for r in res['formats'] if 'skipped' in r]
-    if peer and 'absent' in peer: lines.append(f"llama.cpp: not measured: {peer['absent']}")
-    if res['gguf_bytes']: lines.append(f"GGUF file: {res['gguf_bytes'] / 2**20:.1f} MiB")
-    for t in res['targets']:
-        status = 'n/a (not measured)' if t['met'] is None else 'met' if t['met'] else 'NOT met'
-        target = next(q for q in QUANT_TARGETS if q.name == t['name'])
-        value = '-' if t['value'] is None else target.fmt.format(t['value'])
-        lines.append(f"{t['name']}: {value} ({'<=' if t['at_most'] else '>='} {target.fmt.format(t['bound'])}): {status}")
-    return '\n'.join(lines)
 
 # %% ../nbs/15_bench.ipynb #1d65f194
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,

@@ -12,10 +12,11 @@ from .config import ENGINE_FLAGS, EngineConfig, ModelConfig, add_dataclass_flags
 from .model import resolve_model_path
 from .llm import make_engine
 from .checkpoints import resolve_model, smollm2_gguf, smollm2_path
-from .bench import (PERSON_SCHEMA, QUANT_FORMATS, Workload, ablations, compare, decode_sweep, environment,
-                             environment_line, gpu_benchmark, load_transformers, online_benchmark, quant_benchmark,
+from .bench import (PERSON_SCHEMA, Workload, ablations, compare, decode_sweep, environment,
+                             environment_line, gpu_benchmark, load_transformers, online_benchmark,
                              random_workload, result_table, scheduler_overhead, shared_prefix_workload, step_cost,
                              structured_benchmark)
+from .bench_quant import QUANT_FORMATS, quant_benchmark
 from .results import figure_class, plot_ablations, plot_decode_sweep, plot_stream_times
 
 # %% auto #0

@@ -8,7 +8,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
-from .bench import QUANT_TARGETS, QuantTarget, environment_line, format_table
+from .bench import environment_line, format_table
+from .bench_quant import QUANT_TARGETS, QuantTarget
 
 # %% auto #0
 __all__ = ['TARGETS', 'TARGET_HEADER', 'QUANT_CHECKS', 'load_runs', 'run_on', 'load_averages', 'figure_class',

@@ -3,7 +3,8 @@ ratios it stores, the targets it marks, the command and chapter 15a's reading of
 when llama-cpp-python is installed. Structure only: no figure is held to a wall-clock bound."""
 import importlib.util, json, math
 import pytest
-from nanoserve.bench import QUANT_FORMATS, QUANT_TARGETS, llama_cpp_peer, quant_benchmark, result_table
+from nanoserve.bench import result_table
+from nanoserve.bench_quant import QUANT_FORMATS, QUANT_TARGETS, llama_cpp_peer, quant_benchmark
 from nanoserve.bench_cli import main
 from nanoserve.results import quant_target_rows
 from nanoserve.testing import save_tiny_gguf, save_tiny_model
