@@ -13,7 +13,7 @@ import triton.language as tl
 # %% auto #0
 __all__ = ['INTERPRET', 'DECODE_BLOCK_N', 'GPU_ARCHS', 'MODEL_SHAPES', 'rms_norm', 'rope', 'silu_and_mul', 'store_kv',
            'decode_num_splits', 'decode_attention', 'extend_attention', 'bench_decode_attention', 'kernel_launches',
-           'capture_launches', 'compile_kernel', 'occupancy', 'judged', 'check_kernels']
+           'capture_launches', 'compile_kernel', 'assembled', 'occupancy', 'judged', 'check_kernels']
 
 # %% ../nbs/06_kernels.ipynb #b626afdf
 INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'   # kernels run in the Triton interpreter (no GPU)
@@ -485,14 +485,18 @@ def capture_launches(calls: list[tuple]) -> dict[tuple, str]:
 
 def compile_kernel(arch: str, kernel: str, signature: dict, constexprs: dict, options: dict) -> dict:
     "Compile one launch for `arch` with Triton and NVIDIA's assembler: its registers, spills and shared memory."
-    import subprocess, tempfile
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
     capability = GPU_ARCHS[arch][0]
     fn = globals()[kernel]
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                               target=GPUTarget('cuda', capability, 32), options=options)
+    return assembled(compiled, capability)
+
+def assembled(compiled, capability: int) -> dict:
+    "A Triton-compiled kernel through NVIDIA's assembler for `capability`: its registers, spills and shared memory."
+    import subprocess, tempfile
+    from triton.backends.nvidia.compiler import get_ptxas
     suffix = 'a' if capability >= 90 else ''
     with tempfile.NamedTemporaryFile('w', suffix='.ptx') as ptx:
         ptx.write(compiled.asm['ptx'])

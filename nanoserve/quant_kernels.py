@@ -4,11 +4,10 @@
 
 # %% ../nbs/07b_quant_kernels.ipynb #7d2200e9
 from __future__ import annotations
-import re
 import torch
 import triton
 import triton.language as tl
-from .kernels import GPU_ARCHS, INTERPRET, judged
+from .kernels import GPU_ARCHS, INTERPRET, assembled, judged
 from .quant import FP8_MAX
 
 # %% auto #0
@@ -307,23 +306,12 @@ def _capture_launches(calls: list[tuple]) -> dict[tuple, tuple]:
 
 def _compile_launch(arch: str, kernel: str, signature: dict, constexprs: dict, attributes: dict, options: dict) -> dict:
     "Compile one launch for `arch` with Triton and NVIDIA's assembler: its registers, spills and shared memory."
-    import subprocess, tempfile
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
     capability = GPU_ARCHS[arch][0]
     source = ASTSource(fn=globals()[kernel], signature=signature, constexprs=constexprs, attrs=attributes)
     compiled = triton.compile(source, target=GPUTarget('cuda', capability, 32), options=options)
-    suffix = 'a' if capability >= 90 else ''
-    with tempfile.NamedTemporaryFile('w', suffix='.ptx') as ptx:
-        ptx.write(compiled.asm['ptx'])
-        ptx.flush()
-        ptxas = [get_ptxas(capability).path, '-v', f'--gpu-name=sm_{capability}{suffix}', ptx.name, '-o', '/dev/null']
-        report = subprocess.run(ptxas, capture_output=True, text=True, check=True).stderr
-    registers = int(re.search(r'Used (\d+) registers', report).group(1))
-    spills = sum(int(n) for n in re.findall(r'(\d+) bytes spill (?:stores|loads)', report))
-    metadata = compiled.metadata
-    return dict(registers=registers, spills=spills, shared=metadata.shared, num_warps=metadata.num_warps)
+    return assembled(compiled, capability)
 
 def _compile_row(arch: str, key: tuple, constexprs: dict, attributes: dict, config: str) -> dict:
     kernel, signature, _, _, options = key

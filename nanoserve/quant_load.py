@@ -246,15 +246,16 @@ def quantize_model(model: DecoderForCausalLM, quantization: str) -> DecoderForCa
     "Quantize every linear layer's, the embedding's and the LM head's weight in place (a tied head shares its blocks)."
     if quantization not in QUANTIZERS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZERS)} to quantize at load, got {quantization!r}")
+    kept = []   # the layers whose weights are not whole groups of 32 wide
     for layers in _holders(model).values():
         if not all(isinstance(m, _QUANTIZABLE) for m in layers): continue
         weight = layers[0].weight
         if quantization != 'fp8' and weight.shape[1] % 32:
-            log.warning('%s: %d columns are not whole groups of 32; kept unquantized', type(layers[0]).__name__,
-                        weight.shape[1])
+            kept.append(f'{type(layers[0]).__name__} ({weight.shape[1]} columns)')
             continue
         quantized = QuantizedWeight(quantization, QUANTIZERS[quantization](weight), dtype=weight.dtype)
         for layer in layers: use_quantized_weight(layer, quantized)
+    if kept: log.warning('%d weights kept unquantized, not whole groups of 32: %s', len(kept), ', '.join(sorted(set(kept))))
     return model
 
 # %% ../nbs/07c_quant_load.ipynb #340b41e3
