@@ -551,6 +551,7 @@ INLINE void weight_rows(const int64_t *rec, int64_t n, const int nr, const int K
             _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {
                 const uint8_t *b = sc + (r * (K / 256) + s) * 12, *q = qs + r * (K / 2) + s * 128;
                 const float dd = f16(d[r * (K / 256) + s]), dm = f16(dmin[r * (K / 256) + s]);
+                if (R) for (int c = 0; c < 128; c += 64) __builtin_prefetch(q + PREFETCH_ROWS * (K / 2) + c, 0, 3);
                 table4 t[8];                                  /* w = (d sc) q - dmin mn, sub-block i of 32 */
                 for (int i = 0; i < 4; i++) {
                     t[i] = nibble_table(dd * (b[i] & 63), -(dm * (b[i + 4] & 63)));
@@ -571,6 +572,12 @@ INLINE void weight_rows(const int64_t *rec, int64_t n, const int nr, const int K
         for (int s = 0; s < K / 256; s++)
             _Pragma("GCC unroll 4") for (int r = 0; r < nr; r++) {
                 const float dd = f16(d[r * (K / 256) + s]);
+                if (R) {                                       /* the block's 192 bytes of quants, 16 rows on */
+                    const uint8_t *ahead = ql + (r + PREFETCH_ROWS) * (K / 2) + 128 * s;
+                    __builtin_prefetch(ahead, 0, 3);
+                    __builtin_prefetch(ahead + 64, 0, 3);
+                    __builtin_prefetch(qh + (r + PREFETCH_ROWS) * (K / 4) + 64 * s, 0, 3);
+                }
                 for (int h = 0; h < 2; h++)                    /* 128 weights: 64 bytes of ql, 32 of qh */
                     for (int t = 0; t < 4; t++)                /* 32 of them: a nibble of ql, two bits of qh */
                         for (int i = 0; i < 32; i += QV) {
