@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 # %% auto #0
-__all__ = ['ARCHITECTURES', 'ROPE_TYPES', 'BATCH_POLICIES', 'QUANTIZATIONS', 'ENGINE_FLAGS', 'ModelConfig', 'EngineConfig',
-           'resolve_device', 'default_num_batched_tokens', 'resolve_dtype', 'default_cache_dir', 'cdiv', 'field_docs',
-           'add_dataclass_flags', 'dataclass_kwargs']
+__all__ = ['ARCHITECTURES', 'ROPE_TYPES', 'BATCH_POLICIES', 'QUANTIZATIONS', 'ENGINE_FLAGS', 'ModelConfig', 'SpeculativeConfig',
+           'EngineConfig', 'resolve_device', 'default_num_batched_tokens', 'resolve_dtype', 'default_cache_dir', 'cdiv',
+           'field_docs', 'add_dataclass_flags', 'dataclass_kwargs']
 
 # %% ../nbs/00_config.ipynb #5e626a7f
 ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2', 'Qwen3ForCausalLM': 'qwen3'}
@@ -117,6 +117,46 @@ class ModelConfig:
         return cls.from_dict(json.loads((path/'config.json').read_text()),
                              json.loads(gen.read_text()) if gen.exists() else None)
 
+# %% ../nbs/00_config.ipynb #7cc7d52e
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    "Speculative decoding's settings, parsed and checked from vLLM's `speculative_config` dictionary."
+    method: str = 'ngram'              # the proposer: 'ngram' (prompt lookup)
+    num_speculative_tokens: int = 4    # the most tokens proposed for one request in one step
+    prompt_lookup_max: int = 5         # the longest suffix looked up
+    prompt_lookup_min: int = 2         # the shortest
+    disable_by_batch_size: int = 8     # no speculation in a step with more running requests than this
+
+    @classmethod
+    def parse(cls, value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        "From a JSON string, a dict or None; `ValueError` naming the key that is wrong."
+        if value is None or isinstance(value, SpeculativeConfig): return value
+        if isinstance(value, str):
+            try: value = json.loads(value)
+            except json.JSONDecodeError as e: raise ValueError(f'speculative_config is not valid JSON: {e}') from None
+        if not isinstance(value, dict): raise ValueError(f'speculative_config must be a JSON object, got {value!r}')
+        if value.get('model') is not None:
+            raise ValueError('speculative_config: a draft model ("model") is not supported yet; use "method": "ngram"')
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known - {'model'})
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        if value.get('method', 'ngram') != 'ngram':
+            raise ValueError(f"speculative_config: method must be 'ngram', got {value['method']!r}")
+        lookup_max, lookup_min = value.get('prompt_lookup_max'), value.get('prompt_lookup_min')
+        if lookup_max is None and lookup_min is not None: lookup_max = lookup_min
+        if lookup_min is None and lookup_max is not None: lookup_min = lookup_max
+        lengths = {} if lookup_max is None else dict(prompt_lookup_max=lookup_max, prompt_lookup_min=lookup_min)
+        config = cls(**{**{k: v for k, v in value.items() if k in known}, **lengths})
+        for name in ('num_speculative_tokens', 'prompt_lookup_max', 'prompt_lookup_min', 'disable_by_batch_size'):
+            v = getattr(config, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f'speculative_config: {name} must be an integer >= 1, got {v!r}')
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise ValueError(f'speculative_config: prompt_lookup_min ({config.prompt_lookup_min}) must be <= '
+                             f'prompt_lookup_max ({config.prompt_lookup_max})')
+        return config
+
 # %% ../nbs/00_config.ipynb #1a219b14
 @dataclass
 class EngineConfig:
@@ -140,6 +180,7 @@ class EngineConfig:
     enable_overlap: bool = True          # overlap scheduling with the forward pass (chapter 11)
     cuda_graph_max_bs: int = 256         # largest decode batch captured in a CUDA graph; 0 disables graphs
     seed: int = 0                        # seed of the sampler's default generator
+    speculative_config: str | None = None    # JSON (a dict from Python), vLLM's shape: {"method": "ngram", ...}
 
     def __post_init__(self):
         def bad(name, why): raise ValueError(f'{name} {why}, got {getattr(self, name)!r}')
@@ -163,6 +204,9 @@ class EngineConfig:
         if not isinstance(self.seed, int): bad('seed', 'must be an integer')
         if self.quantization not in (None, *QUANTIZATIONS):
             bad('quantization', f"must be None or one of {', '.join(QUANTIZATIONS)}")
+        self.speculation = SpeculativeConfig.parse(self.speculative_config)   # None: no speculative decoding
+        if self.speculation is not None and self.tensor_parallel_size > 1:
+            bad('speculative_config', 'is not supported with tensor_parallel_size > 1 yet')
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

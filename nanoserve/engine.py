@@ -4,7 +4,7 @@
 
 # %% ../nbs/10_engine.ipynb #aab00d48
 from __future__ import annotations
-import math, mmap
+import itertools, math, mmap
 from dataclasses import dataclass
 from typing import Sequence
 import torch
@@ -19,8 +19,8 @@ from .sampling import PromptLogprobs, SampleOutput, Sampler, SamplingBatch
 from .structured import GrammarCompiler, GrammarState, constrain_logits
 
 # %% auto #0
-__all__ = ['local_kv_heads', 'kv_bytes_per_page', 'num_kv_pages', 'StepLogits', 'step_output', 'run_step', 'host_zeros',
-           'make_backend', 'Worker', 'make_scheduler', 'Engine']
+__all__ = ['local_kv_heads', 'kv_bytes_per_page', 'num_kv_pages', 'StepLogits', 'RequestAt', 'sampling_views', 'step_output',
+           'run_step', 'host_zeros', 'make_backend', 'Worker', 'make_scheduler', 'Engine']
 
 # %% ../nbs/10_engine.ipynb #7052e94c
 def local_kv_heads(config: ModelConfig, tp_size: int = 1) -> int:
@@ -54,12 +54,32 @@ class StepLogits:
     logits: torch.Tensor | None                  # [B, V] fp32, one row per request that samples; None: none does
     prompt: PromptLogprobs | None = None         # the prompt positions the step scored, for requests asking for them
 
+class RequestAt:
+    "A request as it stands at an earlier `device_len`: a row verifying a draft samples as a decode there would."
+    def __init__(self, req: Req, device_len: int): self.req, self.device_len = req, device_len
+    def __getattr__(self, name): return getattr(self.req, name)
+
+def sampling_views(batch: Batch) -> list:
+    "The request behind each logits row of a launched batch: itself, or, for a draft's rows, itself at each position."
+    views = []
+    for i in batch.sample_rows:
+        req, n = batch.reqs[i], len(batch.drafts[i])
+        views += [req] if not n else [RequestAt(req, req.device_len - n + j) for j in range(n + 1)]
+    return views
+
 def step_output(batch: Batch, out: SampleOutput | None, tokens: list[int]) -> StepOutput:
-    "The scheduler's view of a sampled step: `tokens` (on the host) and the logprobs asked for, spread over the batch."
+    """The scheduler's view of a sampled step: `tokens` (on the host, a row each) and the logprobs asked for, spread
+    over the batch. A request verifying a draft gets a list: the drafts its rows sampled alike, then its next row's."""
     output = StepOutput([-1] * batch.size, [None] * batch.size, [None] * batch.size)
     if out is None: return output
-    for i, token, logprobs in zip(batch.sample_rows, tokens, out.host_logprobs()):
-        output.tokens[i], output.logprobs[i] = token, logprobs
+    logprobs, row = out.host_logprobs(), 0
+    for i in batch.sample_rows:
+        draft = batch.drafts[i]
+        if not draft: output.tokens[i], output.logprobs[i] = tokens[row], logprobs[row]
+        else:
+            held = next((j for j, t in enumerate(draft) if tokens[row + j] != t), len(draft))
+            output.tokens[i], output.logprobs[i] = tokens[row:row + held + 1], logprobs[row:row + held + 1]
+        row += len(draft) + 1
     if out.prompt is not None: output.prompt_logprobs[:] = out.prompt.host()
     return output
 
@@ -145,10 +165,9 @@ class Worker:
             return StepLogits(self.graphs.replay(meta))
         self.backend.prepare(meta)
         hidden = self.model(meta.input_ids, meta.positions, self.backend)
-        rows, scoring = batch.sample_rows, batch.prompt_logit_indices()
+        rows, scoring = batch.logit_indices(), batch.prompt_logit_indices()
         if not rows and not scoring: return None
-        last = meta.last_indices[to_device(rows, self.device, torch.int64)]     # the sampling rows' positions
-        logits = self.model.compute_logits(hidden[last]) if rows else None
+        logits = self.model.compute_logits(hidden[to_device(rows, self.device, torch.int64)]) if rows else None
         prompt = self.score_prompts(batch, hidden[to_device(scoring, self.device, torch.int64)]) if scoring else None
         return StepLogits(logits, prompt)
 
@@ -156,7 +175,7 @@ class Worker:
     def sample(self, batch: Batch, step: StepLogits | None) -> SampleOutput | None:
         "Sample the requests that sample, write their tokens to the token pool, add the prompt logprobs (TP rank 0)."
         if step is None: return None
-        reqs = [batch.reqs[i] for i in batch.sample_rows]
+        reqs = sampling_views(batch)
         out = SampleOutput(torch.empty(0, dtype=torch.int64, device=self.device), [])
         if reqs:
             # rows with a grammar keep their allowed tokens only
@@ -186,24 +205,29 @@ class Worker:
         rows = to_device([batch.reqs[i].table_idx for i in batch.sample_rows], self.device, torch.int64)
         next_positions = [batch.start_lens[i] + batch.extend_lens[i] for i in batch.sample_rows]
         cols = to_device(next_positions, self.device, torch.int64)
+        last_rows = list(itertools.accumulate(len(batch.drafts[i]) + 1 for i in batch.sample_rows))
+        if len(last_rows) < len(tokens):       # rows verifying drafts: their last row's token goes after them
+            tokens = tokens[to_device([n - 1 for n in last_rows], self.device, torch.int64)]
         self.table.tokens[rows, cols] = tokens.to(self.table.tokens.dtype)   # the positions the launch reserved
 
 # %% ../nbs/10_engine.ipynb #9127f3dd
-def make_scheduler(config: EngineConfig, worker: Worker, runner: ModelRunner) -> Scheduler:
+def make_scheduler(config: EngineConfig, worker: Worker, runner: ModelRunner,
+                   scheduler_class: type[Scheduler] = Scheduler) -> Scheduler:
     "The scheduler over `worker`'s page table, with the engine's knobs; `runner` computes its batches."
     budget = config.max_num_batched_tokens or default_num_batched_tokens(worker.device)
-    return Scheduler(worker.table, runner, budget, worker.max_model_len, config.decode_reserve_ratio,
-                     config.enable_prefix_caching, worker.model_config.eos_token_ids, config.batch_policy)
+    return scheduler_class(worker.table, runner, budget, worker.max_model_len, config.decode_reserve_ratio,
+                           config.enable_prefix_caching, worker.model_config.eos_token_ids, config.batch_policy)
 
 class Engine:
     "The worker and the scheduler in one process, stepped in a plain loop."
+    scheduler_class = Scheduler      # chapter 11b's speculating scheduler in its engines
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.config = config or EngineConfig.from_kwargs(**kwargs)
         if self.config.tensor_parallel_size > 1:
             raise ValueError('tensor_parallel_size > 1 runs one process per rank: use nanoserve.tp.TPEngine')
         self.worker = Worker(self.config)
         self.model_config = self.worker.model_config
-        self.scheduler = make_scheduler(self.config, self.worker, self.worker)
+        self.scheduler = make_scheduler(self.config, self.worker, self.worker, self.scheduler_class)
         self.max_model_len = self.scheduler.max_model_len
 
     def add_request(self, uid, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Req:

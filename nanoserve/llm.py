@@ -12,6 +12,7 @@ from .config import EngineConfig
 from .req import FinishReason, Req, SamplingParams, quoted
 from .engine import Engine
 from .overlap import OverlapEngine
+from .speculative import SpeculativeEngine, SpeculativeOverlapEngine
 from .tp import OverlapTPEngine, TPEngine
 
 # %% auto #0
@@ -99,8 +100,11 @@ class RequestOutput:
 
 # %% ../nbs/13_llm.ipynb #479f04d6
 def make_engine(config: EngineConfig) -> Engine:
-    "The engine for `config`: tensor-parallel if `tensor_parallel_size > 1`, overlapped unless `enable_overlap` is off."
+    """The engine for `config`: tensor-parallel if `tensor_parallel_size > 1`, speculating with a `speculative_config`
+    (chapter 11b), overlapped unless `enable_overlap` is off."""
     if config.tensor_parallel_size > 1: return (OverlapTPEngine if config.enable_overlap else TPEngine)(config)
+    if config.speculation is not None:
+        return (SpeculativeOverlapEngine if config.enable_overlap else SpeculativeEngine)(config)
     return (OverlapEngine if config.enable_overlap else Engine)(config)
 
 # %% ../nbs/13_llm.ipynb #f116b443
@@ -109,6 +113,7 @@ class _Seq:
     "A sequence being generated: its engine request and its detokenizer."
     req: Req
     detok: IncrementalDetokenizer
+    num_fed: int = 0     # output tokens given to the detokenizer so far (a verified draft gives several at once)
 
 class LLM:
     "Offline generation: tokenizer and engine in one process; `with LLM(...) as llm:` or `llm.shutdown()` frees it."
@@ -205,8 +210,10 @@ class LLM:
             while self.engine.has_unfinished:
                 for req in self.engine.step():
                     s = by_uid[req.uid]
-                    generated += 1
-                    s.detok.add(req.output_ids[-1:], final=req.finished)
+                    new_ids = req.output_ids[s.num_fed:]
+                    s.num_fed += len(new_ids)
+                    generated += len(new_ids)
+                    s.detok.add(new_ids, final=req.finished)
                     if s.detok.stopped_by is not None:
                         if not req.finished: self.engine.abort(req.uid)
                         req.finish_reason = FinishReason.STOP

@@ -4,6 +4,7 @@
 
 # %% ../nbs/01_req.ipynb #7df38782
 from __future__ import annotations
+import itertools
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Literal, Sequence
@@ -307,6 +308,7 @@ class Batch:
     sample_mask: list[bool] = field(default_factory=list)      # whether each request samples a token this step
     num_retractions: list[int] = field(default_factory=list)   # each request's num_retractions when scheduled
     prompt_logit_lens: list[int] = field(default_factory=list) # per request, its first positions scoring prompt tokens
+    drafts: list[list[int]] = field(default_factory=list)      # per request, the proposed tokens it verifies (11b)
 
     def __post_init__(self):
         assert len(self.reqs) == len(self.extend_lens) > 0
@@ -315,6 +317,7 @@ class Batch:
         if not self.sample_mask:
             self.sample_mask = [r.cached_len + n == r.device_len for r, n in zip(self.reqs, self.extend_lens)]
         if not self.num_retractions: self.num_retractions = [r.num_retractions for r in self.reqs]
+        if not self.drafts: self.drafts = [[] for _ in self.reqs]
         if not self.prompt_logit_lens:
             lens = zip(self.reqs, self.start_lens, self.extend_lens)
             self.prompt_logit_lens = [req.prompt_logit_len(start, n) for req, start, n in lens]
@@ -329,6 +332,11 @@ class Batch:
     def sample_rows(self) -> list[int]:
         "Which requests of the batch sample a token this step (their logits rows, in order)."
         return [i for i, sampled in enumerate(self.sample_mask) if sampled]
+
+    def logit_indices(self) -> list[int]:
+        "Where the sampling rows sit among the step's tokens: each one's last position, after a row per draft token."
+        ends = list(itertools.accumulate(self.extend_lens))
+        return [ends[i] - 1 - j for i in self.sample_rows for j in range(len(self.drafts[i]), -1, -1)]
 
     def prompt_logit_indices(self) -> list[int]:
         "Where the positions scoring prompt tokens sit among the step's tokens (requests' positions follow each other)."

@@ -87,6 +87,8 @@ class _PageKeeping:
     def _release(self, req: Req):
         "Free the request's slot and own pages, leaving its KV in the radix cache."
         if req.table_idx < 0: return
+        if req.uid in self._drafts:      # ended with its drafts in flight: only its own next position counts
+            self._roll_back(req, req.cached_len - len(self._drafts.pop(req.uid)))
         if self.cache is not None:
             self._insert(req)
             aligned = req.cached_len // self.page_size * self.page_size
@@ -148,11 +150,13 @@ class _BatchChoice(_PageKeeping):
             retractions = self.num_retractions
             decode = self._schedule_decode()
             admit = decode is not None and self.num_retractions == retractions   # a step that retracts admits nothing
-            prefill = self._schedule_prefill(budget - len(decode)) if admit else []
+            prefill = self._schedule_prefill(budget - sum(r.extend_len for r in decode or [])) if admit else []
         if not decode and not prefill: return None
         reqs = (decode or []) + [req for req, _ in prefill]
-        phase = 'mixed' if decode and prefill else 'decode' if decode else 'prefill'
-        return Batch(reqs, phase, [1] * len(decode or []) + [n for _, n in prefill])
+        extend_lens = [r.extend_len for r in decode or []] + [n for _, n in prefill]   # a decode: 1, plus its drafts
+        plain_decode = not prefill and all(n == 1 for n in extend_lens)
+        phase = 'decode' if plain_decode else 'mixed' if decode else 'prefill'
+        return Batch(reqs, phase, extend_lens, drafts=[self._drafts.get(r.uid, []) for r in reqs])
 
     def _schedule_prefill(self, token_budget: int) -> list[tuple[Req, int]]:
         "Prompt chunks for this step, their pages given: chunked prompts resume first, then waiting requests in order."
@@ -220,7 +224,7 @@ class _BatchChoice(_PageKeeping):
         "Every running request that can take a token, its next page given; None: wait for the step in flight."
         ps = self.page_size
         # ready: may take a token (the others await their last); crossing: their next position opens a page
-        def ready(): return [r for r in self.running if r.device_len < r.max_device_len]
+        def ready(): return [r for r in self.running if r.device_len < r.max_device_len and r.uid not in self._drafts]
         def crossing(reqs): return [r for r in reqs if r.cached_len % ps == 0]
         reqs = ready()
         while len(crossing(reqs)) > self._available_pages():
@@ -233,7 +237,30 @@ class _BatchChoice(_PageKeeping):
         if len(new) > self.allocator.num_free and self.cache: self.cache.evict(len(new) - self.allocator.num_free)
         pages = self.allocator.allocate(len(new))
         self.table.allocate_pages([r.table_idx for r in new], [r.cached_len for r in new], pages)
+        self._add_drafts(reqs)
         return reqs
+
+    def _add_drafts(self, reqs: list[Req]):
+        "Give each decode the tokens proposed for it (chapter 11b; none here): their pages, and the token pool."
+        for req in reqs:
+            draft = self._propose(req, len(reqs))[:max(0, req.remain_len - 1)]   # max_tokens is never passed
+            need = pages_for(req.cached_len + 1, req.cached_len + 1 + len(draft), self.page_size)
+            if not draft or need > self._available_pages(): continue
+            self._allocate_after(req, len(draft))
+            self.table.write_tokens(req.table_idx, req.device_len, draft)
+            req.device_len += len(draft)
+            self._drafts[req.uid] = draft
+
+    def _allocate_after(self, req: Req, n: int):
+        "Pages for the `n` positions after a decode's own (which has its page)."
+        start = req.cached_len + 1
+        need = pages_for(start, start + n, self.page_size)
+        if need > self.allocator.num_free and self.cache: self.cache.evict(need - self.allocator.num_free)
+        self.table.allocate(req.table_idx, start, start + n, self.allocator.allocate(need))
+
+    def _propose(self, req: Req, num_decodes: int) -> list[int]:
+        "Tokens to verify after `req`'s next one, in a step of `num_decodes` decodes: none (chapter 11b proposes)."
+        return []
 
 # %% ../nbs/05_scheduler.ipynb #657a0596
 class Scheduler(_BatchChoice):
@@ -266,6 +293,7 @@ class Scheduler(_BatchChoice):
         self._launched = self._processed = 0            # batches launched / whose results were processed
         self._rows_to_free: list[tuple[int, int]] = []  # (launch count when released, row)
         self._held_pages: list[int] = []                # pages held out of circulation by `hold_pages`
+        self._drafts: dict = {}                         # uid -> the draft tokens its launched step verifies (11b)
 
     # -- intake --------------------------------------------------------------------------------------------
     def add_request(self, uid, prompt_ids: Sequence[int], params: SamplingParams) -> Req:
@@ -316,17 +344,40 @@ class Scheduler(_BatchChoice):
         prompt_logprobs = output.prompt_logprobs or [None] * batch.size
         out = []
         rows = zip(batch.reqs, batch.sample_mask, batch.num_retractions, output.tokens, logprobs, batch.start_lens,
-                   prompt_logprobs)
-        for req, sampled, retractions, token, lp, start, plp in rows:
+                   prompt_logprobs, batch.drafts)
+        for req, sampled, retractions, token, lp, start, plp, draft in rows:
             if req.finished or req.num_retractions != retractions: continue   # done, or retracted meanwhile
             if plp: req.add_prompt_logprobs(start, plp)
             if not sampled: continue
-            req.append_token(token)
-            if lp is not None: req.output_logprobs.append(lp)
+            tokens, lps = (token, lp) if isinstance(token, list) else ([token], [lp])   # a verified draft: several
+            for token, lp in zip(tokens, lps):
+                req.append_token(token)
+                if lp is not None: req.output_logprobs.append(lp)
+                reason = check_stop(req, int(token), self.eos_token_ids)
+                if reason is not None: break                 # a stop inside a verified run cuts it there
+            if draft: self._settle(req, start)
             out.append(req)
-            reason = check_stop(req, int(token), self.eos_token_ids)
             if reason is not None: self._finish(req, reason)
         return out
+
+    def _settle(self, req: Req, start: int):
+        "After a verify step: the lengths and pages of the tokens kept; those of the rejected drafts go back."
+        draft = self._drafts.pop(req.uid)
+        kept = len(req.input_ids) - start - 1                # the tokens appended, from position start + 1 on
+        self._roll_back(req, start + kept)
+        self.table.write_tokens(req.table_idx, start + kept, [req.input_ids[-1]])   # the next step's input token
+        self._verified(req, len(draft), kept - 1)
+
+    def _roll_back(self, req: Req, cached_len: int):
+        "Set a request's KV back to its first `cached_len` positions; free its pages past them."
+        page_end = cdiv(req.cached_len, self.page_size) * self.page_size
+        req.device_len -= req.cached_len - cached_len
+        req.cached_len = cached_len
+        kept_end = cdiv(cached_len, self.page_size) * self.page_size
+        self.allocator.free(self.table.pages_of(req.table_idx, kept_end, page_end))
+
+    def _verified(self, req: Req, drafted: int, accepted: int):
+        "What a verify step found: `accepted` of the `drafted` tokens held (chapter 11b keeps count)."
 
     def _finish(self, req: Req, reason: FinishReason):
         req.finish_reason = reason

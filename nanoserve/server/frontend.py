@@ -66,7 +66,15 @@ class _SchedulerCollector:
                 (gauge, 'integrity_ok', 'Whether the last idle check of the page accounting passed.',
                  float(counters.get('integrity', 'ok') == 'ok')),
                 (counter, 'integrity_violations', 'Idle checks of the page accounting that failed.',
-                 counters.get('integrity_violations', 0))]:
+                 counters.get('integrity_violations', 0)),
+                (counter, 'spec_decode_num_drafts', 'Verify steps of speculative decoding (chapter 11b).',
+                 counters.get('spec_drafts', 0)),
+                (counter, 'spec_decode_num_draft_tokens', 'Tokens proposed by speculative decoding.',
+                 counters.get('spec_draft_tokens', 0)),
+                (counter, 'spec_decode_num_accepted_tokens', 'Proposed tokens the model confirmed.',
+                 counters.get('spec_accepted_tokens', 0)),
+                (gauge, 'spec_decode_draft_acceptance_rate', 'Accepted / proposed tokens so far (0 before any).',
+                 counters.get('spec_accepted_tokens', 0) / max(counters.get('spec_draft_tokens', 0), 1))]:
             metric = kind(f'nanoserve:{name}', doc, labels=['model_name'])
             metric.add_metric([self.model], value)
             yield metric
