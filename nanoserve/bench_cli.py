@@ -17,6 +17,7 @@ from .bench import (PERSON_SCHEMA, Workload, ablations, compare, decode_sweep, e
                              random_workload, result_table, scheduler_overhead, shared_prefix_workload, step_cost,
                              structured_benchmark)
 from .bench_quant import QUANT_FORMATS, quant_benchmark
+from .bench_spec import NGRAM, SPEC_WORKLOADS, spec_benchmark
 from .results import figure_class, plot_ablations, plot_decode_sweep, plot_stream_times
 
 # %% auto #0
@@ -25,6 +26,7 @@ __all__ = ['build_parser', 'main']
 # %% ../nbs/15b_bench_cli.ipynb #57c3514e
 _ENGINE_FLAGS = tuple(f for f in ENGINE_FLAGS if f != 'seed')   # --seed seeds the workload
 _QUANT_ENGINE_FLAGS = tuple(f for f in _ENGINE_FLAGS if f not in ('dtype', 'quantization'))   # set by each format
+_SPEC_ENGINE_FLAGS = tuple(f for f in _ENGINE_FLAGS if f != 'speculative_config')     # its own flag, with a default
 
 def _model_args(p: argparse.ArgumentParser, peer: bool = True):
     p.add_argument('--model', default='smollm2', help="model directory, hub id or 'smollm2' (default: smollm2)")
@@ -107,6 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(flag, type=int, default=default, help=f'{what} (default: {default})')
     p.add_argument('--text-tokens', type=int, help='score the first N tokens of the text only (default: all)')
     add_dataclass_flags(p.add_argument_group('engine (EngineConfig)'), EngineConfig, _QUANT_ENGINE_FLAGS)
+    p = command('spec', 'tokens/s with and without prompt-lookup speculation: grounded and free chat, random prompts')
+    p.add_argument('--model', default='smollm2', help="model directory, hub id or 'smollm2' (default: smollm2)")
+    p.add_argument('--workloads', nargs='+', choices=SPEC_WORKLOADS, default=list(SPEC_WORKLOADS))
+    p.add_argument('--batch-sizes', type=int, nargs='+', default=[1, 8, 32])
+    p.add_argument('--max-tokens', type=int, default=128, help='tokens generated per request at most (default: 128)')
+    p.add_argument('--repeats', type=int, default=2, help='timed runs of each, the best kept (default: 2)')
+    p.add_argument('--speculative-config', default=json.dumps(NGRAM),
+                   help=f'the speculation measured, vLLM\'s JSON (default: {json.dumps(NGRAM)})')
+    add_dataclass_flags(p.add_argument_group('engine (EngineConfig)'), EngineConfig, _SPEC_ENGINE_FLAGS)
     p = command('scheduler', 'host time per decode step with the fake runner (no model)')
     p.add_argument('--batch-size', type=int, default=256)
     p.add_argument('--steps', type=int, default=32)
@@ -184,6 +195,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         res.update(quant_benchmark(folder, gguf, args.formats, text_tokens=args.text_tokens, prompt_len=args.prompt_len,
                                    new_tokens=args.new_tokens, batch_size=args.batch_size, repeats=args.repeats,
                                    peer=not args.no_peer, **engine_kwargs))
+    elif kind == 'spec':
+        engine_kwargs = dataclass_kwargs(args, _SPEC_ENGINE_FLAGS)
+        try: EngineConfig(model=args.model, speculative_config=args.speculative_config, **engine_kwargs)
+        except ValueError as e: parser.error(str(e))
+        model = str(smollm2_path(verbose=True)) if args.model == 'smollm2' else resolve_model(args.model, verbose=True)
+        res.update(spec_benchmark(model, batch_sizes=args.batch_sizes, workloads=args.workloads,
+                                  max_tokens=args.max_tokens, repeats=args.repeats,
+                                  speculative_config=json.loads(args.speculative_config), seed=args.seed,
+                                  **engine_kwargs))
     elif kind == 'scheduler':
         res.update(scheduler_overhead(args.batch_size, args.steps, args.prompt_len, seed=args.seed))
     else:

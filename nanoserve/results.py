@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 from .bench import environment_line, format_table
 from .bench_quant import QUANT_TARGETS, QuantTarget
+from .bench_spec import SPEC_TARGETS
 
 # %% auto #0
-__all__ = ['TARGETS', 'TARGET_HEADER', 'QUANT_CHECKS', 'load_runs', 'run_on', 'load_averages', 'figure_class',
+__all__ = ['TARGETS', 'TARGET_HEADER', 'QUANT_CHECKS', 'SPEC_CHECKS', 'load_runs', 'run_on', 'load_averages', 'figure_class',
            'plot_decode_sweep', 'longest_gap_stream', 'plot_stream_times', 'plot_ablations', 'Target', 'median_run',
            'target_rows', 'quant_target_rows', 'speedups_markdown', 'cpu_ablations_table']
 
@@ -241,6 +242,24 @@ def quant_target_rows(runs: dict[str, list[dict]]) -> list[tuple[str, ...]]:
         rows.append((check.name, '-', '-', bound, 'not measured', why, f'{check.result}.1-{len(results)}.json',
                      f'{run_on(results[0])}; load averages {load_averages(results)}'))
     return rows
+
+# %% ../nbs/15a_results.ipynb #41dc6810
+def _spec_run(res: dict, workload: str, batch: int) -> dict:
+    return next(r for r in res['runs'] if r['workload'] == workload and r['batch_size'] == batch)
+
+def _spec_detail(workload: str, batch: int) -> Callable[[dict], str]:
+    "The figures behind a speculation target, from one stored `spec` run."
+    def detail(res: dict) -> str:
+        run = _spec_run(res, workload, batch)
+        ngram = run['ngram']
+        acceptance = '-' if ngram['acceptance'] is None else f"{ngram['acceptance']:.0%}"
+        per_verify = '-' if ngram['tokens_per_verify'] is None else f"{ngram['tokens_per_verify']:.2f}"
+        return (f"{ngram['tokens_per_s']:,.1f} vs {run['plain']['tokens_per_s']:,.1f} tok/s; acceptance {acceptance}, "
+                f"{per_verify} tokens per verify step; outputs identical: {'yes' if run['same_outputs'] else 'NO'}")
+    return detail
+
+SPEC_CHECKS = tuple(Target(name, 'spec', lambda r, w=workload, b=batch: _spec_run(r, w, b)['speedup'], bound, False,
+                           'x{:.2f}', _spec_detail(workload, batch)) for name, workload, batch, bound in SPEC_TARGETS)
 
 # %% ../nbs/15a_results.ipynb #5f0e1a01
 def speedups_markdown(doc: dict) -> str:

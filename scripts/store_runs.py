@@ -30,6 +30,7 @@ RUNS = {     # name: the command, less where its JSON goes ('bench' means `nanos
     'online-overload-before': ['bench', *ONLINE_OVERLOAD, *PREFILL_FIRST],
     'structured': ['bench', 'structured', '--input-len', '32', '64'],
     'quant': ['bench', 'quant'],
+    'spec': ['bench', 'spec'],
     'cpu-ablations': ['script', 'cpu_ablations.py', '32'],
     'replicas': ['script', 'replica_bench.py'],
 }
