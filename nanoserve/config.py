@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 # %% auto #0
-__all__ = ['ARCHITECTURES', 'ROPE_TYPES', 'BATCH_POLICIES', 'QUANTIZATIONS', 'ENGINE_FLAGS', 'ModelConfig', 'SpeculativeConfig',
-           'EngineConfig', 'resolve_device', 'default_num_batched_tokens', 'resolve_dtype', 'default_cache_dir', 'cdiv',
-           'field_docs', 'add_dataclass_flags', 'dataclass_kwargs']
+__all__ = ['ARCHITECTURES', 'ROPE_TYPES', 'BATCH_POLICIES', 'QUANTIZATIONS', 'SPECULATIVE_METHODS', 'ENGINE_FLAGS', 'ModelConfig',
+           'SpeculativeConfig', 'EngineConfig', 'resolve_device', 'default_num_batched_tokens', 'resolve_dtype',
+           'default_cache_dir', 'cdiv', 'field_docs', 'add_dataclass_flags', 'dataclass_kwargs']
 
 # %% ../nbs/00_config.ipynb #5e626a7f
 ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2', 'Qwen3ForCausalLM': 'qwen3'}
@@ -118,13 +118,16 @@ class ModelConfig:
                              json.loads(gen.read_text()) if gen.exists() else None)
 
 # %% ../nbs/00_config.ipynb #7cc7d52e
+SPECULATIVE_METHODS = ('ngram', 'draft_model')   # prompt lookup, or a smaller model with the same tokenizer
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     "Speculative decoding's settings, parsed and checked from vLLM's `speculative_config` dictionary."
-    method: str = 'ngram'              # the proposer: 'ngram' (prompt lookup)
+    method: str = 'ngram'              # the proposer: 'ngram' (prompt lookup) or 'draft_model' (`model`)
+    model: str | None = None           # the draft model (a directory or hub id): its method is 'draft_model'
     num_speculative_tokens: int = 4    # the most tokens proposed for one request in one step
-    prompt_lookup_max: int = 5         # the longest suffix looked up
-    prompt_lookup_min: int = 2         # the shortest
+    prompt_lookup_max: int = 5         # ngram: the longest suffix looked up
+    prompt_lookup_min: int = 2         # ngram: the shortest
     disable_by_batch_size: int = 8     # no speculation in a step with more running requests than this
 
     @classmethod
@@ -135,19 +138,20 @@ class SpeculativeConfig:
             try: value = json.loads(value)
             except json.JSONDecodeError as e: raise ValueError(f'speculative_config is not valid JSON: {e}') from None
         if not isinstance(value, dict): raise ValueError(f'speculative_config must be a JSON object, got {value!r}')
-        if value.get('model') is not None:
-            raise ValueError('speculative_config: a draft model ("model") is not supported yet; use "method": "ngram"')
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known - {'model'})
+        unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
-        if value.get('method', 'ngram') != 'ngram':
-            raise ValueError(f"speculative_config: method must be 'ngram', got {value['method']!r}")
+        value = {k: v for k, v in value.items() if v is not None}
+        method = value.setdefault('method', 'draft_model' if 'model' in value else 'ngram')
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+        if (method == 'draft_model') != ('model' in value):
+            raise ValueError('speculative_config: "model" (a draft model) goes with method "draft_model", and only there')
         lookup_max, lookup_min = value.get('prompt_lookup_max'), value.get('prompt_lookup_min')
-        if lookup_max is None and lookup_min is not None: lookup_max = lookup_min
-        if lookup_min is None and lookup_max is not None: lookup_min = lookup_max
-        lengths = {} if lookup_max is None else dict(prompt_lookup_max=lookup_max, prompt_lookup_min=lookup_min)
-        config = cls(**{**{k: v for k, v in value.items() if k in known}, **lengths})
+        if lookup_max is None and lookup_min is not None: value['prompt_lookup_max'] = lookup_min
+        if lookup_min is None and lookup_max is not None: value['prompt_lookup_min'] = lookup_max
+        config = cls(**value)
         for name in ('num_speculative_tokens', 'prompt_lookup_max', 'prompt_lookup_min', 'disable_by_batch_size'):
             v = getattr(config, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -242,8 +242,8 @@ class _BatchChoice(_PageKeeping):
 
     def _add_drafts(self, reqs: list[Req]):
         "Give each decode the tokens proposed for it (chapter 11b; none here): their pages, and the token pool."
-        for req in reqs:
-            draft = self._propose(req, len(reqs))[:max(0, req.remain_len - 1)]   # max_tokens is never passed
+        for req, proposal in zip(reqs, self._propose(reqs)):
+            draft = proposal[:max(0, req.remain_len - 1)]   # max_tokens is never passed
             need = pages_for(req.cached_len + 1, req.cached_len + 1 + len(draft), self.page_size)
             if not draft or need > self._available_pages(): continue
             self._allocate_after(req, len(draft))
@@ -258,9 +258,9 @@ class _BatchChoice(_PageKeeping):
         if need > self.allocator.num_free and self.cache: self.cache.evict(need - self.allocator.num_free)
         self.table.allocate(req.table_idx, start, start + n, self.allocator.allocate(need))
 
-    def _propose(self, req: Req, num_decodes: int) -> list[int]:
-        "Tokens to verify after `req`'s next one, in a step of `num_decodes` decodes: none (chapter 11b proposes)."
-        return []
+    def _propose(self, reqs: list[Req]) -> list[list[int]]:
+        "Tokens to verify after each decode's next one: none here (chapter 11b proposes)."
+        return [[] for _ in reqs]
 
 # %% ../nbs/05_scheduler.ipynb #657a0596
 class Scheduler(_BatchChoice):

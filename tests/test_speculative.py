@@ -41,5 +41,5 @@ def test_server_answers_equal_with_and_without_speculation(model_dir):
 
 def test_bad_speculative_config_is_refused_at_start(model_dir):
     from nanoserve.config import EngineConfig
-    with pytest.raises(ValueError, match='draft model'):
-        EngineConfig(model=model_dir, speculative_config='{"model": "x"}')
+    with pytest.raises(ValueError, match='method'):
+        EngineConfig(model=model_dir, speculative_config='{"method": "eagle", "num_speculative_tokens": 2}')
