@@ -209,8 +209,6 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATIONS):
             bad('quantization', f"must be None or one of {', '.join(QUANTIZATIONS)}")
         self.speculation = SpeculativeConfig.parse(self.speculative_config)   # None: no speculative decoding
-        if self.speculation is not None and self.tensor_parallel_size > 1:
-            bad('speculative_config', 'is not supported with tensor_parallel_size > 1 yet')
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

@@ -13,7 +13,7 @@ from .req import FinishReason, Req, SamplingParams, quoted
 from .engine import Engine
 from .overlap import OverlapEngine
 from .speculative import SpeculativeEngine, SpeculativeOverlapEngine
-from .tp import OverlapTPEngine, TPEngine
+from .tp import OverlapTPEngine, SpeculativeOverlapTPEngine, SpeculativeTPEngine, TPEngine
 
 # %% auto #0
 __all__ = ['CHAT_ROLES', 'IncrementalDetokenizer', 'CompletionOutput', 'RequestOutput', 'make_engine', 'LLM', 'checked_messages',
@@ -102,7 +102,10 @@ class RequestOutput:
 def make_engine(config: EngineConfig) -> Engine:
     """The engine for `config`: tensor-parallel if `tensor_parallel_size > 1`, speculating with a `speculative_config`
     (chapter 11b), overlapped unless `enable_overlap` is off."""
-    if config.tensor_parallel_size > 1: return (OverlapTPEngine if config.enable_overlap else TPEngine)(config)
+    if config.tensor_parallel_size > 1:
+        if config.speculation is not None:
+            return (SpeculativeOverlapTPEngine if config.enable_overlap else SpeculativeTPEngine)(config)
+        return (OverlapTPEngine if config.enable_overlap else TPEngine)(config)
     if config.speculation is not None:
         return (SpeculativeOverlapEngine if config.enable_overlap else SpeculativeEngine)(config)
     return (OverlapEngine if config.enable_overlap else Engine)(config)

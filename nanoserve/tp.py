@@ -17,10 +17,12 @@ from .pages import PageTable
 from .scheduler import StepOutput
 from .engine import Engine, StepLogits, Worker, make_scheduler, run_step
 from .overlap import OverlapEngine
+from .speculative import Speculating
 
 # %% auto #0
 __all__ = ['TPError', 'TPGroup', 'LocalRank', 'dead_ranks', 'init_distributed', 'StepMessage', 'PageTableMirror', 'Follower',
-           'run_follower', 'TPLeader', 'start_ranks', 'TPEngine', 'OverlapTPEngine']
+           'run_follower', 'TPLeader', 'start_ranks', 'TPEngine', 'OverlapTPEngine', 'SpeculativeTPEngine',
+           'SpeculativeOverlapTPEngine']
 
 # %% ../nbs/12_tp.ipynb #164a10ec
 class TPError(RuntimeError):
@@ -134,13 +136,15 @@ class StepMessage:
     extend_lens: list[int]      # positions computed by the step
     sample_mask: list[bool]     # whether each request samples a token (its last position goes through the LM head)
     prompt_logit_lens: list[int]  # how many of its first positions go through the LM head too (prompt logprobs)
+    draft_lens: list[int]       # draft tokens each verifies (chapter 11b): a logits row each, before its last
     # (row, start, ids) rank 0's host wrote
     token_writes: list[tuple[int, int, list[int]]] = field(default_factory=list)
     # (row, start, token locations) to write
     updates: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)
 
     HEADER = 6                  # kind, phase, requests, token writes, page-table updates, values in both
-    PER_REQ = 5                 # ints per request: row, start, length, whether it samples, prompt positions scored
+    # ints per request: row, start, length, whether it samples, prompt positions scored, draft tokens
+    PER_REQ = 6
     PER_SPAN = 3                # ints per span (a token write or an update): row, start, length
 
     @classmethod
@@ -150,7 +154,8 @@ class StepMessage:
                    updates: list[tuple[int, int, torch.Tensor]]) -> StepMessage:
         "The message for a launched batch."
         return cls(batch.phase, [r.table_idx for r in batch.reqs], list(batch.start_lens), list(batch.extend_lens),
-                   list(batch.sample_mask), list(batch.prompt_logit_lens), list(token_writes), updates)
+                   list(batch.sample_mask), list(batch.prompt_logit_lens), [len(d) for d in batch.drafts],
+                   list(token_writes), updates)
 
     def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
         "The int32 header and payload: the batch, then every span's row, start and length, then their values."
@@ -160,7 +165,7 @@ class StepMessage:
         header = [_STEP, _PHASES.index(self.phase), len(self.rows), len(self.token_writes), len(self.updates),
                   sum(map(len, values))]
         ints = (self.rows + self.start_lens + self.extend_lens + [int(s) for s in self.sample_mask]
-                + self.prompt_logit_lens)
+                + self.prompt_logit_lens + self.draft_lens)
         ints += [row for row, _, _ in spans] + [start for _, start, _ in spans] + [len(v) for v in values]
         return torch.tensor(header, dtype=torch.int32), torch.cat([torch.tensor(ints, dtype=torch.int32), *values])
 
@@ -178,20 +183,23 @@ class StepMessage:
         num_spans = num_writes + num_updates
         req_ints = cls.PER_REQ * num_reqs
         ints = payload[:req_ints + cls.PER_SPAN * num_spans].tolist()
-        rows, starts, lens, samples, scored = (ints[i * num_reqs:(i + 1) * num_reqs] for i in range(cls.PER_REQ))
+        rows, starts, lens, samples, scored, drafted = (ints[i * num_reqs:(i + 1) * num_reqs]
+                                                        for i in range(cls.PER_REQ))
         span_ints = ints[req_ints:]
         span_rows, span_starts, span_lens = (span_ints[i * num_spans:(i + 1) * num_spans] for i in range(cls.PER_SPAN))
         values = payload[req_ints + cls.PER_SPAN * num_spans:].split(span_lens) if num_spans else []
         spans = list(zip(span_rows, span_starts, values))
         token_writes = [(row, start, ids.tolist()) for row, start, ids in spans[:num_writes]]
-        return cls(_PHASES[phase], rows, starts, lens, [bool(s) for s in samples], scored,
+        return cls(_PHASES[phase], rows, starts, lens, [bool(s) for s in samples], scored, drafted,
                    token_writes, spans[num_writes:])
 
     def batch(self) -> Batch:
-        "The batch a follower runs: the same rows and lengths as rank 0's."
+        "The batch a follower runs: the same rows and lengths as rank 0's, so the same logits rows."
         reqs = [_FollowerReq(row) for row in self.rows]
+        # drafts of the right lengths only: their ids reached the token pool as token writes
+        drafts = [[0] * n for n in self.draft_lens]
         return Batch(reqs, self.phase, list(self.extend_lens), list(self.start_lens), list(self.sample_mask),
-                     [0] * len(reqs), list(self.prompt_logit_lens))
+                     [0] * len(reqs), list(self.prompt_logit_lens), drafts)
 
     def apply(self, table: PageTable):
         "Write the step's page-table changes, and rank 0's host writes to the token pool, on a follower's table."
@@ -250,9 +258,10 @@ class Follower:
         with torch.inference_mode(), on_stream:
             self.worker.compute_logits(batch)
             if batch.sample_rows:
-                tokens = torch.empty(len(batch.sample_rows), dtype=torch.int64, device=self.worker.device)
+                # a token per logits row: a request verifying drafts has a row per draft token too (chapter 11b)
+                tokens = torch.empty(len(batch.logit_indices()), dtype=torch.int64, device=self.worker.device)
                 dist.broadcast(tokens, 0)   # the model's group: device to device, in stream order
-                self.worker.write_tokens(batch, tokens)
+                self.worker.write_tokens(batch, tokens)     # each request's last row's token
         self.num_steps += 1
 
     def run(self):
@@ -317,7 +326,8 @@ class TPLeader:
         "Sample on rank 0, and send the tokens to the other ranks' token pools, device to device."
         with self._failing_step():
             out = self.worker.sample(batch, step)
-            if batch.sample_rows: dist.broadcast(out.tokens, 0)   # the followers wait for tokens only then
+            # a token per logits row (drafts' rows too); the followers wait for tokens only when a request samples
+            if batch.sample_rows: dist.broadcast(out.tokens, 0)
         self.num_steps += 1
         return out
 
@@ -414,7 +424,7 @@ class TPEngine(Engine):
             if dead is not None: raise dead from e
             raise
         self.model_config = self.worker.model_config
-        self.scheduler = make_scheduler(self.config, self.worker, self.leader)
+        self.scheduler = make_scheduler(self.config, self.worker, self.leader, self.scheduler_class)
         self.max_model_len = self.scheduler.max_model_len
 
     @property
@@ -434,3 +444,10 @@ class TPEngine(Engine):
 class OverlapTPEngine(OverlapEngine, TPEngine):
     """Tensor parallelism with chapter 11's overlap loop:
     rank 0 schedules and announces step N+1 while every rank runs step N."""
+
+# %% ../nbs/12_tp.ipynb #5bec7a02
+class SpeculativeTPEngine(Speculating, TPEngine):
+    "Tensor parallelism with chapter 11b's drafts: rank 0 proposes and verifies; the message carries their lengths."
+
+class SpeculativeOverlapTPEngine(Speculating, OverlapTPEngine):
+    "The overlapped tensor-parallel engine, speculating."
