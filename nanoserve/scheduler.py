@@ -222,9 +222,10 @@ class _BatchChoice(_PageKeeping):
 
     def _schedule_decode(self) -> list[Req] | None:
         "Every running request that can take a token, its next page given; None: wait for the step in flight."
+        if self._drafts: return None   # a verify step in flight (11b): its lengths are unknown until it is processed
         ps = self.page_size
         # ready: may take a token (the others await their last); crossing: their next position opens a page
-        def ready(): return [r for r in self.running if r.device_len < r.max_device_len and r.uid not in self._drafts]
+        def ready(): return [r for r in self.running if r.device_len < r.max_device_len]
         def crossing(reqs): return [r for r in reqs if r.cached_len % ps == 0]
         reqs = ready()
         while len(crossing(reqs)) > self._available_pages():
