@@ -53,23 +53,24 @@ def _counts(engine) -> tuple[int, int, int]:
 
 def measure(engine, speculation: SpeculativeConfig, prompts: Sequence[Sequence[int]], params: SamplingParams,
             repeats: int = 2) -> dict:
-    "One batch, `repeats` times without speculation and with it: tok/s (the best), acceptance, identical outputs."
-    res = {}
-    for mode, setting in (('plain', None), ('ngram', speculation)):
-        engine.scheduler.speculation = setting
-        before, best, outputs = _counts(engine), 0.0, None
-        for _ in range(repeats):
-            outputs, seconds = _run(engine, prompts, params)
-            best = max(best, sum(map(len, outputs)) / seconds)
-        drafts, drafted, accepted = (b - a for a, b in zip(before, _counts(engine)))
-        res[mode] = dict(tokens_per_s=best, output_tokens=sum(map(len, outputs)), outputs=outputs,
-                         verify_steps=drafts, draft_tokens=drafted, accepted_tokens=accepted,
-                         acceptance=accepted / drafted if drafted else None,
-                         tokens_per_verify=1 + accepted / drafts if drafts else None)
+    """One batch, `repeats` times without speculation and with it, the two in turn (so that a drift of the machine
+    hits both alike): tok/s (the best of each), acceptance, and whether the outputs were identical."""
+    best, outputs, counts = {'plain': 0.0, 'ngram': 0.0}, {}, [0, 0, 0]
+    for _ in range(repeats):
+        for mode, setting in (('plain', None), ('ngram', speculation)):
+            engine.scheduler.speculation = setting
+            before = _counts(engine)
+            outputs[mode], seconds = _run(engine, prompts, params)
+            best[mode] = max(best[mode], sum(map(len, outputs[mode])) / seconds)
+            if setting is not None: counts = [c + b - a for c, a, b in zip(counts, before, _counts(engine))]
     engine.scheduler.speculation = None
-    res['speedup'] = res['ngram']['tokens_per_s'] / res['plain']['tokens_per_s']
-    res['same_outputs'] = res['ngram']['outputs'] == res['plain']['outputs']
-    for mode in ('plain', 'ngram'): del res[mode]['outputs']
+    drafts, drafted, accepted = counts
+    res = {mode: dict(tokens_per_s=best[mode], output_tokens=sum(map(len, outputs[mode]))) for mode in best}
+    res['ngram'].update(verify_steps=drafts, draft_tokens=drafted, accepted_tokens=accepted,
+                        acceptance=accepted / drafted if drafted else None,
+                        tokens_per_verify=1 + accepted / drafts if drafts else None)
+    res['speedup'] = best['ngram'] / best['plain']
+    res['same_outputs'] = outputs['ngram'] == outputs['plain']
     return res
 
 # %% ../nbs/15_bench_spec.ipynb #15s00008
