@@ -42,7 +42,11 @@ class IncrementalDetokenizer:
             if 0 < held < len(token_ids):                         # crossing it: the held tokens' text comes first
                 self._take(token_ids[:held], final=False)
                 token_ids = token_ids[held:]
-            self._take(token_ids, final)
+            if not self.params.stop: self._take(token_ids, final)
+            else:     # several tokens at once (a verified draft, chapter 11b): the one completing a stop string ends it
+                for i, token in enumerate(token_ids):
+                    self._take([token], final and i == len(token_ids) - 1)
+                    if self.stopped_by is not None: break
         safe = self.text if final else self.safe_text()
         delta, self._emitted = safe[self._emitted:], len(safe)
         return delta
@@ -238,14 +242,16 @@ def _logprob_dicts(entries: list) -> list[dict[int, float] | None]:
 def _completion(index: int, s: _Seq) -> CompletionOutput:
     "The finished sequence `s` as choice number `index`."
     req, detok = s.req, s.detok
+    kept = detok.num_tokens if detok.stopped_by is not None else None   # a stop string: its token is the last
+    token_ids, output_logprobs = req.output_ids[:kept], req.output_logprobs[:kept]
     logprobs = None
-    if req.sampling_params.logprobs is not None: logprobs = _logprob_dicts(req.output_logprobs)
-    cumulative = sum(lp.logprob for lp in req.output_logprobs) if req.output_logprobs else None
-    last = req.output_ids[-1] if req.output_ids else None
+    if req.sampling_params.logprobs is not None: logprobs = _logprob_dicts(output_logprobs)
+    cumulative = sum(lp.logprob for lp in output_logprobs) if output_logprobs else None
+    last = token_ids[-1] if token_ids else None
     stop_reason = detok.stopped_by
     if stop_reason is None and last in req.sampling_params.stop_token_ids: stop_reason = last
     finish_reason = req.finish_reason.value if req.finish_reason else None
-    return CompletionOutput(index, detok.text, list(req.output_ids), cumulative, logprobs, finish_reason, stop_reason)
+    return CompletionOutput(index, detok.text, list(token_ids), cumulative, logprobs, finish_reason, stop_reason)
 
 def _request_output(prompt: str | None, prompt_ids: list[int], group: list[_Seq]) -> RequestOutput:
     "One prompt's finished output: a completion per sequence of `group`, and the prompt logprobs if it asked."

@@ -43,3 +43,40 @@ def test_bad_speculative_config_is_refused_at_start(model_dir):
     from nanoserve.config import EngineConfig
     with pytest.raises(ValueError, match='method'):
         EngineConfig(model=model_dir, speculative_config='{"method": "eagle", "num_speculative_tokens": 2}')
+
+CODE = 'def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n\n'
+
+def test_stop_string_inside_a_verified_run_ends_the_tokens_there():
+    "A stop string completed by a token inside an accepted run: the tokens, logprobs and usage end at that token."
+    from nanoserve import LLM, SamplingParams
+    params = SamplingParams(temperature=0, stop=['mul'], max_tokens=64, logprobs=1)
+    outputs = []
+    for kw in ({}, {'speculative_config': {'method': 'ngram', 'num_speculative_tokens': 4}}):
+        with LLM('smollm2', **kw) as llm:
+            out = llm.generate([CODE], params, use_tqdm=False)[0].outputs[0]
+            outputs.append((out.text, out.token_ids, len(out.logprobs), out.finish_reason, out.stop_reason))
+            if kw: assert llm.engine.scheduler.stats()['spec_accepted_tokens'] > 0
+    assert outputs[1] == outputs[0]
+    assert outputs[0][3:] == ('stop', 'mul')
+
+def test_server_stop_string_usage_and_logprobs_end_at_the_stop(model_dir):
+    "The same through the server: a stop string inside a drafted run, streaming and not, usage and logprob tokens."
+    prompt = PROMPTS[0]
+    def run(server):
+        client = OpenAI(base_url=server.url + '/v1', api_key='unused', max_retries=0, timeout=120)
+        free = client.completions.create(model='tiny', prompt=prompt, max_tokens=24, temperature=0)
+        stop = free.choices[0].text[8:11]          # a stop string that the output reaches in its middle
+        res = []
+        for stream in (False, True):
+            out = client.completions.create(model='tiny', prompt=prompt, max_tokens=24, temperature=0, logprobs=0,
+                                            stop=[stop], stream=stream, stream_options={'include_usage': True}
+                                            if stream else None)
+            chunks = list(out) if stream else [out]
+            tokens = [t for c in chunks for choice in c.choices if choice.logprobs for t in choice.logprobs.tokens]
+            text = ''.join(choice.text for c in chunks for choice in c.choices)
+            usage = next(c.usage for c in reversed(chunks) if c.usage is not None)
+            res.append((text, tokens, usage.completion_tokens))
+        return stop, res
+    with ServerProcess(model_dir, cli=True, served_model_name='tiny', **ENGINE) as server: plain = run(server)
+    with ServerProcess(model_dir, cli=True, served_model_name='tiny', speculative_config=NGRAM, **ENGINE) as server:
+        assert run(server) == plain

@@ -200,16 +200,19 @@ class TokenizerWorker(_TokenizerIn):
         if fail_past is not None and detok.num_tokens + len(t.token_ids) > fail_past:
             raise RuntimeError('a failure injected by a test (debug hooks)')
         finish, stop_reason = t.finish_reason, None
-        first = detok.num_tokens == 0
+        first, before = detok.num_tokens == 0, detok.num_tokens
         text = detok.add(t.token_ids, final=finish is not None)
-        if detok.stopped_by is not None: finish, stop_reason = 'stop', detok.stopped_by
+        token_ids = t.token_ids
+        if detok.stopped_by is not None:   # a stop string: the tokens after the one completing it are not output
+            finish, stop_reason = 'stop', detok.stopped_by
+            token_ids = token_ids[:detok.num_tokens - before]
         elif finish == 'stop' and t.token_ids and t.token_ids[-1] in self.params[t.rid].stop_token_ids:
             stop_reason = t.token_ids[-1]
         logprobs = None
         if t.logprobs is not None:
             logprobs = [self._logprob_entry(token, logprob, top)
-                        for token, (logprob, top) in zip(t.token_ids, t.logprobs)]
-        out = TextOut(t.rid, t.index, text, t.token_ids, logprobs, finish, stop_reason, t.prompt_len, t.cached_len)
+                        for token, (logprob, top) in zip(token_ids, t.logprobs)]
+        out = TextOut(t.rid, t.index, text, token_ids, logprobs, finish, stop_reason, t.prompt_len, t.cached_len)
         if first and t.rid in self.prompts: self.add_prompt(out, t)
         return out
 
