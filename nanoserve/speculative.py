@@ -4,7 +4,7 @@
 
 # %% ../nbs/11b_speculative.ipynb #11b00004
 from __future__ import annotations
-import itertools
+import itertools, logging
 from typing import Sequence
 import numpy as np
 from .config import EngineConfig, SpeculativeConfig, cdiv
@@ -13,8 +13,11 @@ from .scheduler import Scheduler
 from .engine import Engine
 from .overlap import OverlapEngine
 
+log = logging.getLogger(__name__)
+
 # %% auto #0
-__all__ = ['ngram_propose', 'DraftModel', 'SpeculativeScheduler', 'Speculating', 'SpeculativeEngine', 'SpeculativeOverlapEngine']
+__all__ = ['log', 'ngram_propose', 'DraftModel', 'SpeculativeScheduler', 'Speculating', 'SpeculativeEngine',
+           'SpeculativeOverlapEngine']
 
 # %% ../nbs/11b_speculative.ipynb #11b00006
 def ngram_propose(tokens: Sequence[int],   # the request's tokens so far: prompt, then output
@@ -33,13 +36,17 @@ def ngram_propose(tokens: Sequence[int],   # the request's tokens so far: prompt
 class DraftModel:
     "A smaller model with the target's tokenizer, run as an engine of its own, proposing its greedy continuations."
     def __init__(self, spec: SpeculativeConfig, target: EngineConfig, max_model_len: int, vocab_size: int):
+        from nanoserve.checkpoints import resolve_model     # a later chapter: named models, GGUF files
         pages = spec.disable_by_batch_size * cdiv(max_model_len + spec.num_speculative_tokens + 1, target.page_size)
-        self.engine = Engine(EngineConfig(model=spec.model, device=target.device, dtype=target.dtype,
+        self.engine = Engine(EngineConfig(model=resolve_model(spec.model), device=target.device, dtype=target.dtype,
                                           page_size=target.page_size, num_pages=pages + 1,
                                           attention_backend=target.attention_backend, enable_overlap=False,
                                           max_running_requests=spec.disable_by_batch_size, seed=target.seed))
         self.vocab_size = vocab_size
         self._count = 0
+        if self.engine.worker.vocab_size != vocab_size:
+            log.warning('speculative_config: the draft model has %d token ids, the target %d; a draft must share the '
+                        "target's tokenizer (a padded vocabulary is fine)", self.engine.worker.vocab_size, vocab_size)
 
     def propose(self, contexts: Sequence[Sequence[int]], lengths: Sequence[int]) -> list[list[int]]:
         "Each context's greedy continuation of its length, all in one batch ([] where the draft cannot take it)."
