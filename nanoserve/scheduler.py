@@ -49,9 +49,9 @@ class _PageKeeping:
     def _available_pages(self) -> int:
         return self.allocator.num_free + (self.cache.evictable_pages if self.cache else 0)
 
-    def _allocate(self, req: Req, n: int):
-        "Pages for `req`'s next `n` positions, evicting from the radix cache when the free list is short."
-        start = req.cached_len
+    def _allocate(self, req: Req, n: int, start: int | None = None):
+        "Pages for `n` positions of `req` from `start` (default: its cached length), evicting cached pages if short."
+        start = req.cached_len if start is None else start
         need = pages_for(start, start + n, self.page_size)
         if need > self.allocator.num_free and self.cache: self.cache.evict(need - self.allocator.num_free)
         self.table.allocate(req.table_idx, start, start + n, self.allocator.allocate(need))
@@ -100,6 +100,14 @@ class _PageKeeping:
         self._rows_to_free.append((self._launched, req.table_idx))
         req.table_idx, req.cache_handle = -1, None
         self._free_rows()
+
+    def _roll_back(self, req: Req, cached_len: int):
+        "Set a request's KV back to its first `cached_len` positions; free its pages past them."
+        page_end = cdiv(req.cached_len, self.page_size) * self.page_size
+        req.device_len -= req.cached_len - cached_len
+        req.cached_len = cached_len
+        kept_end = cdiv(cached_len, self.page_size) * self.page_size
+        self.allocator.free(self.table.pages_of(req.table_idx, kept_end, page_end))
 
     def _free_rows(self):
         "Give back the request slots that no launched, unprocessed batch can still write to."
@@ -247,17 +255,10 @@ class _BatchChoice(_PageKeeping):
             draft = proposal[:max(0, req.remain_len - 1)]   # max_tokens is never passed
             need = pages_for(req.cached_len + 1, req.cached_len + 1 + len(draft), self.page_size)
             if not draft or need > self._available_pages(): continue
-            self._allocate_after(req, len(draft))
+            self._allocate(req, len(draft), req.cached_len + 1)   # after the decode's own position (paged already)
             self.table.write_tokens(req.table_idx, req.device_len, draft)
             req.device_len += len(draft)
             self._drafts[req.uid] = draft
-
-    def _allocate_after(self, req: Req, n: int):
-        "Pages for the `n` positions after a decode's own (which has its page)."
-        start = req.cached_len + 1
-        need = pages_for(start, start + n, self.page_size)
-        if need > self.allocator.num_free and self.cache: self.cache.evict(need - self.allocator.num_free)
-        self.table.allocate(req.table_idx, start, start + n, self.allocator.allocate(need))
 
     def _propose(self, reqs: list[Req]) -> list[list[int]]:
         "Tokens to verify after each decode's next one: none here (chapter 11b proposes)."
@@ -368,14 +369,6 @@ class Scheduler(_BatchChoice):
         self._roll_back(req, start + kept)
         self.table.write_tokens(req.table_idx, start + kept, [req.input_ids[-1]])   # the next step's input token
         self._verified(req, len(draft), kept - 1)
-
-    def _roll_back(self, req: Req, cached_len: int):
-        "Set a request's KV back to its first `cached_len` positions; free its pages past them."
-        page_end = cdiv(req.cached_len, self.page_size) * self.page_size
-        req.device_len -= req.cached_len - cached_len
-        req.cached_len = cached_len
-        kept_end = cdiv(cached_len, self.page_size) * self.page_size
-        self.allocator.free(self.table.pages_of(req.table_idx, kept_end, page_end))
 
     def _verified(self, req: Req, drafted: int, accepted: int):
         "What a verify step found: `accepted` of the `drafted` tokens held (chapter 11b keeps count)."
