@@ -146,6 +146,8 @@ class SpeculativeConfig:
         method = value.setdefault('method', 'draft_model' if 'model' in value else 'ngram')
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, got {method!r}")
+        if 'model' in value and not (isinstance(value['model'], str) and value['model']):
+            raise ValueError(f"speculative_config: model must be a model directory or hub id, got {value['model']!r}")
         if (method == 'draft_model') != ('model' in value):
             raise ValueError('speculative_config: "model" (a draft model) goes with method "draft_model", and only there')
         lookup_max, lookup_min = value.get('prompt_lookup_max'), value.get('prompt_lookup_min')

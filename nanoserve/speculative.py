@@ -37,11 +37,12 @@ class DraftModel:
     "A smaller model with the target's tokenizer, run as an engine of its own, proposing its greedy continuations."
     def __init__(self, spec: SpeculativeConfig, target: EngineConfig, max_model_len: int, vocab_size: int):
         from nanoserve.checkpoints import resolve_model     # a later chapter: named models, GGUF files
-        pages = spec.disable_by_batch_size * cdiv(max_model_len + spec.num_speculative_tokens + 1, target.page_size)
+        rows = min(spec.disable_by_batch_size, target.max_running_requests)   # the most decodes that propose at once
+        pages = rows * cdiv(2 * max_model_len, target.page_size)   # a context and its proposal (never past the end)
         self.engine = Engine(EngineConfig(model=resolve_model(spec.model), device=target.device, dtype=target.dtype,
                                           page_size=target.page_size, num_pages=pages + 1,
                                           attention_backend=target.attention_backend, enable_overlap=False,
-                                          max_running_requests=spec.disable_by_batch_size, seed=target.seed))
+                                          max_running_requests=rows, seed=target.seed))
         self.vocab_size = vocab_size
         self._count = 0
         if self.engine.worker.vocab_size != vocab_size:
