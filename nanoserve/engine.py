@@ -143,10 +143,13 @@ class Worker:
         self.backend = make_backend(config.attention_backend, shape, self.dtype, self.device, mc.head_dim ** -0.5)
         self.k_cache, self.v_cache = self.backend.k_cache, self.backend.v_cache
         self.backend.bind(self.model)            # the ops the model runs beside the backend
-        self.graphs = None      # decode CUDA graphs (chapter 08): on a GPU, with the Triton backend
+        self.graphs = None      # CUDA graphs (chapter 08): on a GPU, with the Triton backend
         if self.device.type == 'cuda' and self.backend.name == 'triton' and config.cuda_graph_max_bs > 0:
             graph_max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
-            self.graphs = GraphRunner(self.model, self.backend, self.table, graph_max_bs)
+            spec = config.speculation     # its verify steps get graphs too, up to the batch that still speculates
+            verify_len = spec.num_speculative_tokens + 1 if spec is not None else 1
+            verify_bs = spec.disable_by_batch_size if spec is not None else 0
+            self.graphs = GraphRunner(self.model, self.backend, self.table, graph_max_bs, verify_len, verify_bs)
             with torch.inference_mode(): self.graphs.capture()
         self.sampler = Sampler(seed=config.seed, device=self.device)
         self.tp_rank = tp_rank
@@ -161,8 +164,8 @@ class Worker:
     def compute_logits(self, batch: Batch) -> StepLogits | None:
         "Run the model (every TP rank): logits of the sampling requests, and the prompt tokens scored; or None."
         meta = build_metadata(batch, self.table)
-        if self.graphs is not None and meta.phase == 'decode' and self.graphs.bucket(meta.num_reqs) is not None:
-            return StepLogits(self.graphs.replay(meta))
+        if self.graphs is not None and self.graphs.takes(batch):
+            return StepLogits(self.graphs.replay(meta, batch))
         self.backend.prepare(meta)
         hidden = self.model(meta.input_ids, meta.positions, self.backend)
         rows, scoring = batch.logit_indices(), batch.prompt_logit_indices()

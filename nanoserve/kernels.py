@@ -380,10 +380,12 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     if T == 0: return out
     group = H // KVH
     extend_start = torch.cumsum(extend_lens, 0) - extend_lens
-    block_m = 64 if INTERPRET or D <= 64 else 32   # 64 rows of 128-wide heads spill registers (check_kernels)
-    block_n, num_warps = (64, 4) if INTERPRET else (32, 8)
     if max_extend_len is None:
         max_extend_len = int(extend_lens.max())   # waits for the GPU: callers that know it pass it
+    block_m = 64 if INTERPRET or D <= 64 else 32   # 64 rows of 128-wide heads spill registers (check_kernels)
+    # a verify step of speculative decoding has a few query rows a request: a tile that fits them, 16 at least (tl.dot)
+    block_m = min(block_m, max(16, triton.next_power_of_2(max_extend_len * group)))
+    block_n, num_warps = (64, 4) if INTERPRET else (32, 8)   # 16-row tiles spill on sm_90 with 4 warps
     grid = (extend_lens.shape[0], KVH, triton.cdiv(max_extend_len * group, block_m))
     _extend_kernel[grid](
         q, k, v, k_cache, v_cache, out, page_table, table_idx,
@@ -451,7 +453,8 @@ def kernel_launches(shapes: dict = MODEL_SHAPES, dtypes=(torch.bfloat16, torch.f
                       (label, rope, (q, k, positions, cos_sin)),
                       (label, silu_and_mul, (gate_up,)),
                       (label, store_kv, (k, k, pool, pool, positions)),
-                      (label, extend_attention, (q, k, k, pool, pool, table, rows, rows, rows, 0.1, 2048))]
+                      (label, extend_attention, (q, k, k, pool, pool, table, rows, rows, rows, 0.1, 2048)),
+                      (label + ', verify 5', extend_attention, (q, k, k, pool, pool, table, rows, rows, rows, 0.1, 5))]
             calls += [(f'{label}, {n} splits', decode_attention, (q, pool, pool, table, rows, rows, 0.1, n))
                       for n in (1, 2, 8, 32)]
     return calls

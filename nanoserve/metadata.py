@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_metadata.ipynb #0f2cd68e
 from __future__ import annotations
-import os
+import itertools, os
 from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
@@ -250,35 +250,46 @@ def make_attention_backend(name: str, k_cache: torch.Tensor, v_cache: torch.Tens
 
 # %% ../nbs/08_metadata.ipynb #f8449655
 def graph_batch_sizes(max_bs: int) -> list[int]:
-    "The decode batch sizes to capture: 1, 2, 4, 8, then every 8, and `max_bs` itself."
+    "The batch sizes to capture: 1, 2, 4, 8, then every 8, and `max_bs` itself (none when it is 0)."
+    if max_bs < 1: return []
     sizes = [s for s in (1, 2, 4) if s < max_bs] + list(range(8, max_bs, 8)) + [max_bs]
     return sorted(set(sizes))
 
 class GraphRunner:
-    "Captures decode forward passes for a ladder of batch sizes and replays them through static buffers."
-    def __init__(self, model, backend, table: PageTable, max_bs: int):
+    "Captures decode steps, and verify steps of up to `verify_len` positions a request, and replays them statically."
+    def __init__(self, model, backend, table: PageTable, max_bs: int, verify_len: int = 1, max_verify_bs: int = 0):
         self.model, self.backend, self.table = model, backend, table
         self.sizes = graph_batch_sizes(max_bs)
         self.max_bs = max_bs
+        self.verify_len = verify_len
+        self.verify_sizes = graph_batch_sizes(min(max_verify_bs, max_bs)) if verify_len > 1 else []
+        num_tokens = max([max_bs] + [bs * verify_len for bs in self.verify_sizes])
         dev = table.table.device
-        self.buf = dict(input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-                        positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-                        out_loc=torch.full((max_bs,), table.dummy_loc, dtype=torch.int64, device=dev),
-                        table_idx=torch.full((max_bs,), table.dummy_row, dtype=torch.int32, device=dev),
-                        prefix_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
-                        extend_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
-                        seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
-                        last_indices=torch.arange(max_bs, dtype=torch.int64, device=dev))
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: torch.Tensor | None = None     # fp32 [max_bs, vocab], written by every graph, sliced per bucket
+        def per_token(value: int): return torch.full((num_tokens,), value, dtype=torch.int64, device=dev)
+        def per_request(value: int): return torch.full((max_bs,), value, dtype=torch.int32, device=dev)
+        self.buf = dict(input_ids=per_token(0), positions=per_token(0), out_loc=per_token(table.dummy_loc),
+                        table_idx=per_request(table.dummy_row), prefix_lens=per_request(0),
+                        extend_lens=per_request(1), seq_lens=per_request(1))
+        # a graph of q positions a request reads every q-th entry as the requests' last tokens
+        self.token_indices = torch.arange(num_tokens, dtype=torch.int64, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}   # (batch size, positions a request) -> graph
+        self.logits: torch.Tensor | None = None     # fp32 [num_tokens, vocab], written by every graph, sliced per graph
 
-    def bucket(self, n: int) -> int | None:
-        "The captured size a batch of `n` runs as, or None when it is larger than every graph."
-        return next((s for s in self.sizes if s >= n), None)
+    def bucket(self, n: int, q_len: int = 1) -> int | None:
+        "The captured size a batch of `n` requests of `q_len` positions each runs as, or None when no graph takes it."
+        sizes = self.sizes if q_len == 1 else self.verify_sizes if q_len == self.verify_len else []
+        return next((s for s in sizes if s >= n), None)
+
+    def takes(self, batch: Batch) -> bool:
+        "Whether a graph runs `batch`: a decode step, or one that samples of at most `verify_len` positions a request."
+        if batch.phase == 'decode': return self.bucket(batch.size) is not None
+        if max(batch.extend_lens) > self.verify_len or any(batch.prompt_logit_lens) or not batch.sample_rows:
+            return False
+        return self.bucket(batch.size, self.verify_len) is not None
 
     def load(self, meta: ForwardMeta) -> ForwardMeta:
         "Copy a decode batch's metadata into the static buffers, padded with the dummy request to its bucket."
-        assert meta.phase == 'decode', 'graphs run decode steps only'
+        assert meta.phase == 'decode', 'decode graphs run decode steps only'
         n, bs = meta.num_reqs, self.bucket(meta.num_reqs)
         assert bs is not None, f'batch of {n} is larger than the largest graph ({self.max_bs})'
         pad = dict(input_ids=0, positions=0, out_loc=self.table.dummy_loc, table_idx=self.table.dummy_row,
@@ -288,34 +299,78 @@ class GraphRunner:
             self.buf[name][n:bs].fill_(value)
         return self._static_meta(bs)
 
-    def _static_meta(self, bs: int) -> ForwardMeta:
-        "The metadata a graph of size `bs` was captured with: views of the buffers, the longest possible sequence."
-        b = {k: v[:bs] for k, v in self.buf.items()}
-        return ForwardMeta('decode', b['input_ids'], b['positions'], b['out_loc'], b['table_idx'], b['prefix_lens'],
-                           b['extend_lens'], b['seq_lens'], b['last_indices'], self.table.table, bs,
-                           self.table.max_len, 1, self.table.page_size)
+    def load_verify(self, meta: ForwardMeta, extend_lens: list[int]) -> ForwardMeta:
+        "Copy a step of up to `verify_len` positions a request into the static buffers, each request's padded to it."
+        # request i holds entries [i * q, (i + 1) * q): its positions, then its last one repeated, whose keys and
+        # values go to the dummy slot; the dummy request fills the bucket
+        n, q = meta.num_reqs, self.verify_len
+        bs = self.bucket(n, q)
+        assert bs is not None and max(extend_lens) <= q, f'no verify graph takes {n} requests of {max(extend_lens)}'
+        dev = self.table.table.device
+        starts = itertools.accumulate(extend_lens, initial=0)
+        source = to_device([s + min(j, e - 1) for s, e in zip(starts, extend_lens) for j in range(q)], dev, torch.int64)
+        repeats = to_device([j >= e for e in extend_lens for j in range(q)], dev, torch.bool)
+        t, total = n * q, bs * q
+        self.buf['input_ids'][:t].copy_(meta.input_ids[source])
+        self.buf['positions'][:t].copy_(meta.positions[source])
+        self.buf['out_loc'][:t].copy_(meta.out_loc[source].masked_fill(repeats, self.table.dummy_loc))
+        for name, value in dict(input_ids=0, positions=0, out_loc=self.table.dummy_loc).items():
+            self.buf[name][t:total].fill_(value)
+        for name, value in dict(table_idx=self.table.dummy_row, prefix_lens=0).items():
+            self.buf[name][:n].copy_(getattr(meta, name), non_blocking=True)
+            self.buf[name][n:bs].fill_(value)
+        self.buf['extend_lens'][:bs].fill_(q)
+        torch.add(self.buf['prefix_lens'][:bs], q, out=self.buf['seq_lens'][:bs])
+        return self._static_meta(bs, q)
+
+    def logit_rows(self, batch: Batch) -> torch.Tensor:
+        "Where `batch.logit_indices()` sit among the entries of its verify graph."
+        q = self.verify_len
+        entries = [i * q + j for i, n in enumerate(batch.extend_lens) for j in range(n)]   # token -> its entry
+        return to_device([entries[i] for i in batch.logit_indices()], self.table.table.device, torch.int64)
+
+    def _static_meta(self, bs: int, q_len: int = 1) -> ForwardMeta:
+        "The metadata the graph of `bs` requests of `q_len` positions reads: views of the buffers, the longest sequence."
+        t = bs * q_len
+        b = {k: v[:t] if k in ('input_ids', 'positions', 'out_loc') else v[:bs] for k, v in self.buf.items()}
+        last_indices = self.token_indices[q_len - 1:t:q_len]
+        return ForwardMeta('decode' if q_len == 1 else 'mixed', b['input_ids'], b['positions'], b['out_loc'],
+                           b['table_idx'], b['prefix_lens'], b['extend_lens'], b['seq_lens'], last_indices,
+                           self.table.table, bs, self.table.max_len, q_len, self.table.page_size)
+
+    def forward(self, meta: ForwardMeta) -> torch.Tensor:
+        "The forward pass a graph records: the model over static metadata, fp32 logits for every entry."
+        self.backend.prepare(meta)      # host numbers only (the Triton backend's): fixed at capture
+        return self.model.compute_logits(self.model(meta.input_ids, meta.positions, self.backend))
 
     def capture(self):
-        "Record one graph per batch size, largest first, sharing one memory pool (CUDA only)."
+        "Record a graph per batch size and positions a request, the most tokens first, sharing one memory pool (CUDA)."
         pool = None
-        for bs in reversed(self.sizes):
-            meta = self._static_meta(bs)
-            self.backend.prepare(meta)     # the bucket's own split count: from bs and the longest sequence
+        shapes = [(bs, 1) for bs in self.sizes] + [(bs, self.verify_len) for bs in self.verify_sizes]
+        for bs, q_len in sorted(shapes, key=lambda shape: -shape[0] * shape[1]):
+            meta = self._static_meta(bs, q_len)
             for _ in range(2):             # warm up
-                logits = self.model.compute_logits(self.model(meta.input_ids, meta.positions, self.backend))
-            if self.logits is None:       # the largest bucket comes first and sizes the shared buffer
-                self.logits = logits.new_empty(self.max_bs, logits.shape[-1])
+                logits = self.forward(meta)
+            if self.logits is None:       # the first graph sizes the shared buffer: a row per entry
+                self.logits = logits.new_empty(len(self.token_indices), logits.shape[-1])
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.model.compute_logits(self.model(meta.input_ids, meta.positions, self.backend))
-                self.logits[:bs].copy_(logits)
+                self.logits[:bs * q_len].copy_(self.forward(meta))
             pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[bs, q_len] = graph
         torch.cuda.synchronize()
 
-    def replay(self, meta: ForwardMeta) -> torch.Tensor:
-        "Run a decode batch through its graph; returns fp32 logits `[num_reqs, vocab]`."
-        static = self.load(meta)
-        self.graphs[static.num_reqs].replay()
-        return self.logits[:meta.num_reqs]
+    def replay(self, meta: ForwardMeta, batch: Batch) -> torch.Tensor:
+        "Run `batch` (one the graphs take) through its graph: fp32 logits of its sampling rows `[rows, vocab]`."
+        if meta.phase == 'decode':
+            static = self.load(meta)
+            self._launch(static.num_reqs, 1)
+            return self.logits[:meta.num_reqs]
+        static = self.load_verify(meta, batch.extend_lens)
+        self._launch(static.num_reqs, self.verify_len)
+        return self.logits[self.logit_rows(batch)]
+
+    def _launch(self, bs: int, q_len: int):
+        "Replay the graph of `bs` requests of `q_len` positions over what the buffers hold."
+        self.graphs[bs, q_len].replay()

@@ -59,24 +59,46 @@ def test_stop_string_inside_a_verified_run_ends_the_tokens_there():
     assert outputs[1] == outputs[0]
     assert outputs[0][3:] == ('stop', 'mul')
 
-def test_server_stop_string_usage_and_logprobs_end_at_the_stop(model_dir):
-    "The same through the server: a stop string inside a drafted run, streaming and not, usage and logprob tokens."
-    prompt = PROMPTS[0]
+def test_server_stop_string_usage_and_logprobs_end_at_the_stop():
+    "The same through the server, streaming and not: the logprob tokens and usage end at the token completing 'mul'."
     def run(server):
         client = OpenAI(base_url=server.url + '/v1', api_key='unused', max_retries=0, timeout=120)
-        free = client.completions.create(model='tiny', prompt=prompt, max_tokens=24, temperature=0)
-        stop = free.choices[0].text[8:11]          # a stop string that the output reaches in its middle
         res = []
         for stream in (False, True):
-            out = client.completions.create(model='tiny', prompt=prompt, max_tokens=24, temperature=0, logprobs=0,
-                                            stop=[stop], stream=stream, stream_options={'include_usage': True}
+            out = client.completions.create(model='smol', prompt=CODE, max_tokens=64, temperature=0, logprobs=0,
+                                            stop=['mul'], stream=stream, stream_options={'include_usage': True}
                                             if stream else None)
             chunks = list(out) if stream else [out]
             tokens = [t for c in chunks for choice in c.choices if choice.logprobs for t in choice.logprobs.tokens]
             text = ''.join(choice.text for c in chunks for choice in c.choices)
             usage = next(c.usage for c in reversed(chunks) if c.usage is not None)
             res.append((text, tokens, usage.completion_tokens))
-        return stop, res
-    with ServerProcess(model_dir, cli=True, served_model_name='tiny', **ENGINE) as server: plain = run(server)
-    with ServerProcess(model_dir, cli=True, served_model_name='tiny', speculative_config=NGRAM, **ENGINE) as server:
+        return res
+    engine = dict(device='cpu', served_model_name='smol')
+    with ServerProcess('smollm2', cli=True, **engine) as server: plain = run(server)
+    spec = json.dumps({'method': 'ngram', 'num_speculative_tokens': 4})
+    with ServerProcess('smollm2', cli=True, speculative_config=spec, **engine) as server:
         assert run(server) == plain
+        assert metric(server, 'spec_decode_num_accepted_tokens') > 0
+    assert plain[0][2] == len(plain[0][1]) and plain[0][0].endswith('def ')   # the text stops before 'mul'
+
+def test_n_seeded_and_structured_requests_beside_speculating_ones():
+    "n = 2 seeded samples, a JSON-schema request (not speculated) and greedy ones in one batch: the plain outputs."
+    pytest.importorskip('xgrammar')
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.req import StructuredOutputsParams
+    schema = {'type': 'object', 'properties': {'n': {'type': 'integer', 'minimum': 0, 'maximum': 99}},
+              'required': ['n']}
+    params = [SamplingParams(temperature=0, max_tokens=32),
+              SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=32, logprobs=1),
+              SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))]
+    results = []
+    for kw in ({}, {'speculative_config': {'method': 'ngram', 'num_speculative_tokens': 4}}):
+        with LLM('smollm2', **kw) as llm:
+            outputs = llm.generate([CODE] * 3, params, use_tqdm=False)
+            results.append([[(o.text, o.token_ids, [sorted(d) for d in o.logprobs or []]) for o in r.outputs]
+                            for r in outputs])
+            if kw: assert llm.engine.scheduler.stats()['spec_accepted_tokens'] > 0
+    assert results[1] == results[0]
+    assert [len(r) for r in results[0]] == [1, 2, 1]
+    assert set(json.loads(results[0][2][0][0])) == {'n'}
