@@ -13,13 +13,48 @@ from typing import Any
 import torch
 
 # %% auto #0
-__all__ = ['ARCHITECTURES', 'ROPE_TYPES', 'BATCH_POLICIES', 'QUANTIZATIONS', 'SPECULATIVE_METHODS', 'ENGINE_FLAGS', 'ModelConfig',
-           'SpeculativeConfig', 'EngineConfig', 'resolve_device', 'default_num_batched_tokens', 'resolve_dtype',
-           'default_cache_dir', 'cdiv', 'field_docs', 'add_dataclass_flags', 'dataclass_kwargs']
+__all__ = ['FAMILIES', 'ARCHITECTURES', 'ROPE_TYPES', 'ACTIVATIONS', 'BATCH_POLICIES', 'QUANTIZATIONS', 'SPECULATIVE_METHODS',
+           'ENGINE_FLAGS', 'Family', 'ModelConfig', 'SpeculativeConfig', 'EngineConfig', 'resolve_device',
+           'default_num_batched_tokens', 'resolve_dtype', 'default_cache_dir', 'cdiv', 'field_docs',
+           'add_dataclass_flags', 'dataclass_kwargs']
 
 # %% ../nbs/00_config.ipynb #5e626a7f
-ARCHITECTURES = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2', 'Qwen3ForCausalLM': 'qwen3'}
+@dataclass(frozen=True)
+class Family:
+    "What sets a decoder family apart from Llama's layout: the pieces chapter 07 plugs into its one decoder."
+    name: str                        # nanoserve's name for it: transformers' `model_type`
+    norms: str = 'pre'               # RMSNorms: 'pre' each block, 'sandwich' before and after each, 'post' after each
+    activation: str = 'silu'         # the gated MLP's gate: 'silu' (SwiGLU) or 'gelu_pytorch_tanh' (GeGLU)
+    norm_offset: float = 0.0         # an RMSNorm scales by `norm_offset + weight` (Gemma stores w for 1 + w)
+    scaled_embedding: bool = False   # embeddings times sqrt(hidden_size) (Gemma)
+    qk_norm: str = ''                # RMSNorm of q and k: '' none, 'head' per head, 'full' over all heads at once
+    qkv_bias: bool | None = None     # bias on q, k and v: always (True), or as `attention_bias` says (None)
+    windows: str = ''                # where `sliding_window` applies: '' nowhere, 'all' layers, 'some' (`layer_types`)
+    moe: bool = False                # mixtures of experts for MLPs
+    local_rope: bool = False         # sliding-window layers rotate with a base of their own (Gemma 3)
+    renames: tuple[tuple[str, str], ...] = ()   # checkpoint spellings -> nanoserve's, where they differ
+
+    @property
+    def llama_layout(self) -> bool:
+        "Whether its layers are Llama's: pre-norms, SwiGLU, no q/k norm, dense MLPs (what chapter 91's C runner runs)."
+        return (self.norms, self.activation, self.norm_offset, self.qk_norm, self.moe) == ('pre', 'silu', 0.0, '', False)
+
+_MIXTRAL_NAMES = (('.block_sparse_moe.', '.mlp.'), ('.w1.', '.gate_proj.'), ('.w3.', '.up_proj.'), ('.w2.', '.down_proj.'))
+_GEMMA = dict(norms='sandwich', activation='gelu_pytorch_tanh', norm_offset=1.0, scaled_embedding=True, windows='some')
+FAMILIES = {'LlamaForCausalLM': Family('llama'),
+            'MistralForCausalLM': Family('mistral', windows='all'),
+            'Qwen2ForCausalLM': Family('qwen2', qkv_bias=True, windows='some'),
+            'Qwen3ForCausalLM': Family('qwen3', qk_norm='head', windows='some'),
+            'Phi3ForCausalLM': Family('phi3', windows='all'),
+            'Olmo2ForCausalLM': Family('olmo2', norms='post', qk_norm='full'),
+            'Gemma2ForCausalLM': Family('gemma2', **_GEMMA),
+            'Gemma3ForCausalLM': Family('gemma3_text', **_GEMMA, qk_norm='head', local_rope=True),
+            'MixtralForCausalLM': Family('mixtral', windows='all', moe=True, renames=_MIXTRAL_NAMES),
+            'Qwen3MoeForCausalLM': Family('qwen3_moe', qk_norm='head', windows='some', moe=True)}
+ARCHITECTURES = {arch: family.name for arch, family in FAMILIES.items()}   # transformers' class -> nanoserve's name
+_FAMILY_OF = {family.name: family for family in FAMILIES.values()}
 ROPE_TYPES = ('default', 'linear', 'llama3')
+ACTIVATIONS = ('silu', 'gelu_pytorch_tanh')
 BATCH_POLICIES = ('mixed', 'prefill-first', 'decode-first')   # how a step is filled (chapter 05)
 QUANTIZATIONS = ('gguf', 'int8', 'int4', 'fp8')   # weight formats (chapter 07c): a GGUF's blocks, or quantized at load
 _DTYPES = {'float32': torch.float32, 'float': torch.float32, 'bfloat16': torch.bfloat16,
@@ -30,9 +65,12 @@ def _as_ids(x) -> tuple[int, ...]:
     if x is None: return ()
     return tuple(int(i) for i in (x if isinstance(x, (list, tuple)) else [x]))
 
-def _rope(d: dict) -> tuple[float, dict | None]:
-    "Read `(rope_theta, scaling)` from either the `rope_parameters` or the older top-level spelling."
+def _rope(d: dict, layer_type: str | None = None) -> tuple[float, dict | None]:
+    "Read `(rope_theta, scaling)` from the `rope_parameters` (per layer type, Gemma 3's) or the older top-level spelling."
     params = dict(d.get('rope_parameters') or {})
+    if layer_type is not None and layer_type in params: params = dict(params[layer_type])
+    elif layer_type == 'sliding_attention': return float(d.get('rope_local_base_freq', 10000.0)), None
+    elif 'full_attention' in params: params = dict(params['full_attention'])
     scaling = dict(d.get('rope_scaling') or {})
     theta = float(params.pop('rope_theta', d.get('rope_theta', 10000.0)))
     params.update(scaling)
@@ -46,14 +84,33 @@ def _rope(d: dict) -> tuple[float, dict | None]:
     if missing: raise ValueError(f"rope_scaling: {rope_type} scaling needs {', '.join(missing)}")
     return theta, {'rope_type': rope_type, **{k: params[k] for k in need}}
 
+def _layer_types(d: dict, family: Family) -> list[str]:
+    "Each layer's attention, 'sliding_attention' or 'full_attention': as `layer_types` lists, or each family's rule."
+    n, window = d['num_hidden_layers'], d.get('sliding_window')
+    if not family.windows or not window: return ['full_attention'] * n
+    if family.windows == 'all': return ['sliding_attention'] * n      # Mistral, Mixtral, Phi-3
+    if d.get('layer_types'): return list(d['layer_types'])
+    if family.name == 'gemma2': return ['sliding_attention' if i % 2 == 0 else 'full_attention' for i in range(n)]
+    if family.name == 'gemma3_text':
+        pattern = d.get('sliding_window_pattern') or d.get('_sliding_window_pattern') or 6
+        return ['sliding_attention' if (i + 1) % pattern else 'full_attention' for i in range(n)]
+    first = d.get('max_window_layers', n) if d.get('use_sliding_window') else n   # Qwen: with use_sliding_window,
+    return ['sliding_attention' if i >= first else 'full_attention' for i in range(n)]   # from max_window_layers on
+
+def _moe_layers(d: dict, family: Family) -> tuple[int, ...]:
+    "The layers whose MLP is a mixture of experts (Qwen3-MoE may keep some dense: `mlp_only_layers`, a sparse step)."
+    if not family.moe: return ()
+    step, dense = d.get('decoder_sparse_step', 1), set(d.get('mlp_only_layers') or ())
+    return tuple(i for i in range(d['num_hidden_layers']) if i not in dense and (i + 1) % step == 0)
+
 # %% ../nbs/00_config.ipynb #25f0173f
 @dataclass(frozen=True)
 class ModelConfig:
     "The shape of a decoder-only checkpoint, as the engine needs it."
-    architecture: str                 # 'llama', 'qwen2' or 'qwen3'
+    architecture: str                 # a family's name: 'llama', 'qwen3', 'gemma2', 'mixtral', ... (`FAMILIES`)
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int            # a dense MLP's
     num_layers: int
     num_heads: int                    # query heads
     num_kv_heads: int                 # key/value heads (GQA when fewer than `num_heads`)
@@ -64,49 +121,92 @@ class ModelConfig:
     rope_scaling: dict | None = None  # None, or {'rope_type': 'linear'|'llama3', ...}
     tie_word_embeddings: bool = False
     attention_bias: bool = False      # bias on the q, k and v projections
-    qk_norm: bool = False             # RMSNorm on q and k per head (Qwen3)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     dtype: torch.dtype = torch.float32  # the checkpoint's dtype
+    sliding_windows: tuple[int, ...] = ()   # per layer, the most recent positions a query sees; 0 (or none given): all
+    local_rope_theta: float = 0.0     # the rotary base of the sliding-window layers, where it differs (Gemma 3)
+    attn_logit_softcap: float = 0.0   # attention scores s become c tanh(s / c) (Gemma 2); 0: uncapped
+    final_logit_softcap: float = 0.0  # and the logits likewise
+    query_pre_attn_scalar: float = 0.0   # scores scale by its -1/2 power instead of head_dim's (Gemma); 0: head_dim
+    num_experts: int = 0              # mixtures of experts: experts per MoE layer
+    num_experts_per_tok: int = 0      # the experts each token is routed to
+    moe_intermediate_size: int = 0    # an expert's intermediate size
+    norm_topk_prob: bool = True       # the chosen experts' weights renormalised to sum to 1
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is a mixture of experts
 
     def __post_init__(self):
+        if self.architecture not in _FAMILY_OF:
+            raise ValueError(f"architecture: {self.architecture!r} is not one of {', '.join(_FAMILY_OF)}")
         for name in ('vocab_size', 'hidden_size', 'intermediate_size', 'num_layers', 'num_heads', 'num_kv_heads',
                      'head_dim', 'max_position_embeddings'):
             if getattr(self, name) < 1: raise ValueError(f'{name} must be >= 1, got {getattr(self, name)}')
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f'num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})')
+        if self.sliding_windows and (len(self.sliding_windows) != self.num_layers or min(self.sliding_windows) < 0):
+            raise ValueError(f'sliding_windows: one window >= 0 per layer ({self.num_layers}), got {self.sliding_windows}')
+        if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f'num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts '
+                             f'({self.num_experts})')
+        if self.moe_layers and self.moe_intermediate_size < 1:
+            raise ValueError(f'moe_intermediate_size must be >= 1, got {self.moe_intermediate_size}')
+
+    @property
+    def family(self) -> Family: return _FAMILY_OF[self.architecture]
 
     @property
     def group_size(self) -> int:
         "Query heads per KV head."
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def attention_scale(self) -> float:
+        "What attention scores are scaled by: `head_dim ** -0.5`, or `query_pre_attn_scalar ** -0.5` where set."
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def sliding_window(self, layer: int) -> int:
+        "Layer `layer`'s window: the most recent positions a query sees, 0 for all of them."
+        return self.sliding_windows[layer] if self.sliding_windows else 0
+
     @classmethod
     def from_dict(cls, d: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
         "Build from the dicts of `config.json` and (optionally) `generation_config.json`."
         archs = d.get('architectures') or []
-        arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+        arch = next((a for a in archs if a in FAMILIES), None)
         if arch is None:
-            raise ValueError(f"architectures: {archs} is not supported (supported: {', '.join(ARCHITECTURES)})")
-        if d.get('use_sliding_window'):
-            raise ValueError('use_sliding_window: sliding-window attention is not supported')
-        if d.get('hidden_act', 'silu') != 'silu':
-            raise ValueError(f"hidden_act: {d['hidden_act']!r} is not supported (only silu)")
+            raise ValueError(f"architectures: {archs} is not supported (supported: {', '.join(FAMILIES)})")
+        family = FAMILIES[arch]
+        activation = d.get('hidden_activation') or d.get('hidden_act') or family.activation
+        if activation not in ACTIVATIONS or activation != family.activation:
+            raise ValueError(f'hidden_act: {activation!r} is not supported for {arch} (only {family.activation})')
         theta, scaling = _rope(d)
+        layer_types = _layer_types(d, family)
+        window = d.get('sliding_window') or 0
+        windows = tuple(window if t == 'sliding_attention' else 0 for t in layer_types)
         heads = d['num_attention_heads']
         eos = _as_ids(d.get('eos_token_id')) + _as_ids((generation_config or {}).get('eos_token_id'))
         dtype = d.get('dtype') or d.get('torch_dtype') or 'float32'
         if dtype not in _DTYPES: raise ValueError(f'dtype: checkpoint dtype {dtype!r} is not supported')
-        return cls(architecture=arch, vocab_size=d['vocab_size'], hidden_size=d['hidden_size'],
+        moe_layers = _moe_layers(d, family)
+        experts = d.get('num_experts') or d.get('num_local_experts') or 0
+        return cls(architecture=family.name, vocab_size=d['vocab_size'], hidden_size=d['hidden_size'],
                    intermediate_size=d['intermediate_size'], num_layers=d['num_hidden_layers'], num_heads=heads,
                    num_kv_heads=d.get('num_key_value_heads') or heads,
                    head_dim=d.get('head_dim') or d['hidden_size'] // heads,
                    max_position_embeddings=d.get('max_position_embeddings', 2048),
                    rms_norm_eps=d.get('rms_norm_eps', 1e-6), rope_theta=theta, rope_scaling=scaling,
                    tie_word_embeddings=bool(d.get('tie_word_embeddings', False)),
-                   attention_bias=True if arch == 'qwen2' else bool(d.get('attention_bias', False)),
-                   qk_norm=arch == 'qwen3', eos_token_ids=tuple(dict.fromkeys(eos)),
-                   bos_token_id=d.get('bos_token_id'), dtype=_DTYPES[dtype])
+                   attention_bias=family.qkv_bias or bool(d.get('attention_bias', False)),
+                   eos_token_ids=tuple(dict.fromkeys(eos)), bos_token_id=d.get('bos_token_id'), dtype=_DTYPES[dtype],
+                   sliding_windows=windows if any(windows) else (),
+                   local_rope_theta=_rope(d, 'sliding_attention')[0] if family.local_rope else 0.0,
+                   attn_logit_softcap=d.get('attn_logit_softcapping') or 0.0,
+                   final_logit_softcap=d.get('final_logit_softcapping') or 0.0,
+                   query_pre_attn_scalar=d.get('query_pre_attn_scalar') or 0.0,
+                   num_experts=experts if moe_layers else 0,
+                   num_experts_per_tok=d.get('num_experts_per_tok', 0) if moe_layers else 0,
+                   moe_intermediate_size=d.get('moe_intermediate_size') or d['intermediate_size'] if moe_layers else 0,
+                   norm_topk_prob=bool(d.get('norm_topk_prob', True)), moe_layers=moe_layers)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:

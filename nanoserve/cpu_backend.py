@@ -206,6 +206,7 @@ def cpu_ops(packed: PackedLinears) -> Ops:
 # %% ../nbs/91_cpu_backend.ipynb #91a0000a
 def decoder_weights(model: DecoderForCausalLM, packed: PackedLinears) -> DecoderWeights | None:
     "The model's layers as `decode_layers_cpu` takes them, if it can: one rank, no q/k norm, all for C products."
+    if not model.config.family.llama_layout: return None   # the runner computes Llama's layers only
     decoder = model.model
     first = decoder.layers[0]
     attn0 = first.self_attn

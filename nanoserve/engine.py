@@ -140,7 +140,7 @@ class Worker:
         self.allocator = PageAllocator(self.num_pages, config.page_size)
         self.table = PageTable(config.max_running_requests, self.max_model_len, self.allocator, self.device)
         shape = (mc.num_layers, self.allocator.num_slots, local_kv_heads(mc, tp_size), mc.head_dim)
-        self.backend = make_backend(config.attention_backend, shape, self.dtype, self.device, mc.head_dim ** -0.5)
+        self.backend = make_backend(config.attention_backend, shape, self.dtype, self.device, mc.attention_scale)
         self.k_cache, self.v_cache = self.backend.k_cache, self.backend.v_cache
         self.backend.bind(self.model)            # the ops the model runs beside the backend
         self.graphs = None      # CUDA graphs (chapter 08): on a GPU, with the Triton backend
@@ -218,8 +218,11 @@ def make_scheduler(config: EngineConfig, worker: Worker, runner: ModelRunner,
                    scheduler_class: type[Scheduler] = Scheduler) -> Scheduler:
     "The scheduler over `worker`'s page table, with the engine's knobs; `runner` computes its batches."
     budget = config.max_num_batched_tokens or default_num_batched_tokens(worker.device)
+    windows = worker.model_config.sliding_windows        # KV behind a window is freed when every layer has one
+    kv_window = min(windows) if windows and all(windows) else 0
     return scheduler_class(worker.table, runner, budget, worker.max_model_len, config.decode_reserve_ratio,
-                           config.enable_prefix_caching, worker.model_config.eos_token_ids, config.batch_policy)
+                           config.enable_prefix_caching, worker.model_config.eos_token_ids, config.batch_policy,
+                           kv_window)
 
 class Engine:
     "The worker and the scheduler in one process, stepped in a plain loop."

@@ -222,7 +222,7 @@ def load_gguf(model: DecoderForCausalLM, model_dir: str | Path):
     missing = []
     for param_name, param in list(model.named_parameters()):   # a list: loading replaces some of them
         parts = []    # (shard_id, the checkpoint tensor's values) for each tensor the parameter is made of
-        for checkpoint_name in _checkpoint_names(param_name):
+        for checkpoint_name in _checkpoint_names(param_name, param.shards):
             gguf_name = _gguf_name(name_map, checkpoint_name, tensors)
             if gguf_name is None:
                 missing.append(checkpoint_name)

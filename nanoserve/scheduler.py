@@ -59,13 +59,24 @@ class _PageKeeping:
         return req.cache_handle.end if req.cache_handle is not None else 0
 
     def _own_pages(self, req: Req) -> list[int]:
-        "Pages the request holds that the radix cache does not."
+        "Pages the request holds that the radix cache does not (none behind its sliding window, once freed)."
         end = cdiv(req.cached_len, self.page_size) * self.page_size
-        return self.table.pages_of(req.table_idx, self._shared_len(req), end)
+        return self.table.pages_of(req.table_idx, max(self._shared_len(req), self._freed.get(req.uid, 0)), end)
+
+    def _free_behind_window(self, req: Req, start: int):
+        "Free the request's own pages that no query at `start` or later can see through the sliding window."
+        if not self.kv_window or req.table_idx < 0: return
+        end = (start - self.kv_window + 1) // self.page_size * self.page_size   # keys before it are out of sight
+        first = max(self._shared_len(req), self._freed.get(req.uid, 0))
+        if end <= first: return
+        self.allocator.free(self.table.pages_of(req.table_idx, first, end))
+        self.table.write(req.table_idx, first, torch.full((end - first,), self.table.dummy_loc, dtype=torch.int32))
+        self._freed[req.uid] = end
 
     def _insert(self, req: Req) -> RadixNode:
         "Insert the request's page-aligned KV into the radix cache; remap and free its duplicate pages."
         row, shared = req.table_idx, self._shared_len(req)
+        if req.uid in self._freed: return req.cache_handle or self.cache.root   # its KV has a gap: nothing more cached
         aligned = req.cached_len // self.page_size * self.page_size
         if aligned <= shared: return req.cache_handle or self.cache.root
         cached, tree_locs, node = self.cache.insert(req.input_ids[:aligned], self.table.locs(row, 0, aligned))
@@ -89,14 +100,16 @@ class _PageKeeping:
         if req.table_idx < 0: return
         if req.uid in self._drafts:      # ended with its drafts in flight: only its own next position counts
             self._roll_back(req, req.cached_len - len(self._drafts.pop(req.uid)))
-        if self.cache is not None:
+        if self.cache is not None and req.uid not in self._freed:
             self._insert(req)
             aligned = req.cached_len // self.page_size * self.page_size
             tail_end = cdiv(req.cached_len, self.page_size) * self.page_size
             self.allocator.free(self.table.pages_of(req.table_idx, aligned, tail_end))
             if req.cache_handle is not None: self.cache.unlock(req.cache_handle)
-        else:
+        else:              # no prefix cache, or a gap behind the window: every page it owns goes back
             self.allocator.free(self._own_pages(req))
+            if req.cache_handle is not None: self.cache.unlock(req.cache_handle)
+        self._freed.pop(req.uid, None)
         self._rows_to_free.append((self._launched, req.table_idx))
         req.table_idx, req.cache_handle = -1, None
         self._free_rows()
@@ -275,7 +288,8 @@ class Scheduler(_BatchChoice):
                  decode_reserve_ratio: float = 0.5,
                  enable_prefix_caching: bool = True,
                  eos_token_ids: Iterable[int] = (),
-                 batch_policy: str = 'mixed'):       # one of BATCH_POLICIES
+                 batch_policy: str = 'mixed',        # one of BATCH_POLICIES
+                 kv_window: int = 0):                # every layer's sliding window: KV behind it is freed; 0 keeps all
         if batch_policy not in BATCH_POLICIES:
             raise ValueError(f"batch_policy must be one of {', '.join(BATCH_POLICIES)}, got {batch_policy!r}")
         self.table, self.runner, self.allocator = table, runner, table.allocator
@@ -296,6 +310,8 @@ class Scheduler(_BatchChoice):
         self._rows_to_free: list[tuple[int, int]] = []  # (launch count when released, row)
         self._held_pages: list[int] = []                # pages held out of circulation by `hold_pages`
         self._drafts: dict = {}                         # uid -> the draft tokens its launched step verifies (11b)
+        self.kv_window = kv_window
+        self._freed: dict = {}                          # uid -> positions before it have no pages (behind the window)
 
     # -- intake --------------------------------------------------------------------------------------------
     def add_request(self, uid, prompt_ids: Sequence[int], params: SamplingParams) -> Req:
@@ -349,6 +365,7 @@ class Scheduler(_BatchChoice):
                    prompt_logprobs, batch.drafts)
         for req, sampled, retractions, token, lp, start, plp, draft in rows:
             if req.finished or req.num_retractions != retractions: continue   # done, or retracted meanwhile
+            self._free_behind_window(req, start)          # every later query of it sits at `start` or after
             if plp: req.add_prompt_logprobs(start, plp)
             if not sampled: continue
             tokens, lps = (token, lp) if isinstance(token, list) else ([token], [lp])   # a verified draft: several

@@ -137,8 +137,9 @@ def save_tiny_gguf(model_dir: str | Path,      # a Llama, Qwen2 or Qwen3 directo
 # %% ../nbs/95_testing.ipynb #95a0c011
 class FakeRunner:
     "A stand-in model whose 'KV' is the token id, read back through the page table; its token hashes the context."
-    def __init__(self, table: PageTable, vocab_size: int = 64):
+    def __init__(self, table: PageTable, vocab_size: int = 64, window: int = 0):
         self.table, self.vocab_size = table, vocab_size
+        self.window = window      # a sliding window: a position sees only the `window` latest, itself included
         self.kv = torch.full((table.allocator.num_slots,), -1, dtype=torch.int64)
         self.num_tokens = 0  # positions computed, for tests
 
@@ -153,10 +154,11 @@ class FakeRunner:
         for req, start, n, sampled in zip(batch.reqs, batch.start_lens, batch.extend_lens, batch.sample_mask):
             end, row = start + n, req.table_idx
             self.kv[self.table.locs(row, start, end).long()] = self.table.tokens[row, start:end].long()
-            context = self.kv[self.table.locs(row, 0, end).long()]
-            intact = torch.equal(context, self.table.tokens[row, :end].long())
+            seen = max(0, start - self.window + 1) if self.window else 0   # the first position this step's queries see
+            context = self.kv[self.table.locs(row, seen, end).long()]
+            intact = torch.equal(context, self.table.tokens[row, seen:end].long())
             assert intact, f'req {req.uid}: KV read through the page table is corrupt'
-            token = self.next_token(context)
+            token = self.next_token(context[-self.window:] if self.window else context)   # the last position's view
             if sampled: self.table.tokens[row, req.device_len - 1] = token
             tokens.append(token)
             self.num_tokens += n
