@@ -16,8 +16,8 @@ from .processes import free_port
 from .server.messages import LOG_LEVEL_ENV
 
 # %% auto #0
-__all__ = ['save_tiny_model', 'save_tiny_gguf', 'FakeRunner', 'random_page_table', 'ServerProcess', 'wait_until', 'process_gone',
-           'use_triton_interpreter']
+__all__ = ['TINY_FAMILIES', 'save_tiny_model', 'save_tiny_gguf', 'FakeRunner', 'random_page_table', 'ServerProcess', 'wait_until',
+           'process_gone', 'use_triton_interpreter']
 
 # %% ../nbs/95_testing.ipynb #35a35c63
 _CORPUS = ("The quick brown fox jumps over the lazy dog. A small engine serves a large model, one token at a time. "
@@ -25,8 +25,17 @@ _CORPUS = ("The quick brown fox jumps over the lazy dog. A small engine serves a
            "Rome is the capital of Italy; Madrid is the capital of Spain. def main(): print('hello, world') "
            "Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000. Colours: red, green, blue, yellow. Héllo → 世界 ✓. ") * 8
 
+_WINDOWS = dict(sliding_window=16)   # a window short enough for tests to run past it
+_GEMMA = dict(**_WINDOWS, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=4.0)
+TINY_FAMILIES = {   # a family's name (chapter 00) -> its small test shape beside the common one
+    'llama': {}, 'qwen2': {}, 'qwen3': dict(head_dim=32), 'mistral': _WINDOWS, 'phi3': _WINDOWS, 'olmo2': {},
+    'gemma2': dict(**_GEMMA, final_logit_softcapping=5.0),
+    'gemma3_text': dict(**_GEMMA, layer_types=['sliding_attention', 'full_attention']),
+    'mixtral': dict(**_WINDOWS, num_local_experts=4, num_experts_per_tok=2),
+    'qwen3_moe': dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)}
+
 def save_tiny_model(path: str | Path, arch: str = 'llama', seed: int = 0, tokenizer: bool = False, **overrides) -> Path:
-    "Save a small random `arch` ('llama', 'qwen2', 'qwen3') model (and a BPE tokenizer) as a Hugging Face directory."
+    "Save a small random model of family `arch` (`TINY_FAMILIES`; and a BPE tokenizer) as a Hugging Face directory."
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
     path = Path(path)
@@ -34,7 +43,7 @@ def save_tiny_model(path: str | Path, arch: str = 'llama', seed: int = 0, tokeni
     kw = dict(vocab_size=512 if tokenizer else 256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
               pad_token_id=0, tie_word_embeddings=False)
-    if arch == 'qwen3': kw['head_dim'] = 32
+    kw.update(TINY_FAMILIES[arch])
     kw.update(overrides)
     if tokenizer:   # trained first, so that the model's vocabulary is exactly the tokenizer's
         from tokenizers import Tokenizer, models, trainers, pre_tokenizers, decoders, processors
@@ -51,7 +60,7 @@ def save_tiny_model(path: str | Path, arch: str = 'llama', seed: int = 0, tokeni
                               "{% if add_generation_prompt %}<s>assistant: {% endif %}")
         fast.save_pretrained(path)
         kw['vocab_size'] = tok.get_vocab_size()
-    cfg = AutoConfig.for_model({'llama': 'llama', 'qwen2': 'qwen2', 'qwen3': 'qwen3'}[arch], **kw)
+    cfg = AutoConfig.for_model(arch, **kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     with torch.no_grad():   # transformers' init (std 0.02, unit norms, zero biases) makes near-constant outputs
