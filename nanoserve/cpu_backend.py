@@ -284,21 +284,23 @@ class CpuAttentionBackend(AttentionBackend):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         "Store `k`, `v` `[T, KVH, D]` for `layer`, then attend with `q` `[T, H, D]`; returns `[T, H, D]`."
         m, kc, vc = self.meta, self.k_cache[layer], self.v_cache[layer]
+        window, softcap = self.window(layer), self.logit_softcap
         if m.phase == 'decode':
             # one call: store the new keys and values, then read each request's pages in place
             return self._plan.run(q, kc, vc, self.scale, k_new=k.to(kc.dtype), v_new=v.to(vc.dtype),
-                                  new_slots=m.out_loc)
+                                  new_slots=m.out_loc, window=window, softcap=softcap)
         kc[m.out_loc] = k.to(kc.dtype)
         vc[m.out_loc] = v.to(vc.dtype)
         out = torch.empty_like(q)
         if self._kernel_rows is not None:
             tokens, plan = self._kernel_rows
-            out[tokens] = plan.run(q[tokens], kc, vc, self.scale)
-        attend_extends(q, k, v, kc, vc, m.page_table, self._torch_requests, self.scale, out)
+            out[tokens] = plan.run(q[tokens], kc, vc, self.scale, window=window, softcap=softcap)
+        attend_extends(q, k, v, kc, vc, m.page_table, self._torch_requests, self.scale, out, window, softcap)
         return out
 
     def decode_layers(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         "The model's layers runner: every decoder layer of a decode step in one C call; None for any other step."
-        if self.meta.phase != 'decode': return None
+        # the one call runs full attention without a cap: a model with windows or a cap runs layer by layer
+        if self.meta.phase != 'decode' or any(self.sliding_windows) or self.logit_softcap: return None
         return decode_layers_cpu(self.decoder, hidden, positions, self.cos_sin, self._plan, self.k_cache, self.v_cache,
                                  self.meta.out_loc, self.scale)

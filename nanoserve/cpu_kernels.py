@@ -131,6 +131,22 @@ INLINE void values(const float *p, const float *vp, int n, const float *next, fl
     }
 }
 
+/* cap * tanh(s / cap) in place over the len scores of each of G rows (stride ls, a multiple of 8): tanh by Cephes'
+   odd polynomial below 0.625 and (1 - e^{-2|x|}) / (1 + e^{-2|x|}) above, as chapter 06's Triton kernels compute it */
+INLINE void soft_cap(float *s, int len, int ls, int G, float cap) {
+    for (int g = 0; g < G; g++)
+        for (int t = 0; t < len; t += 8) {
+            v8 x = LD(s + g * ls + t) / cap, z = x * x;
+            v8 a = (v8)((v8i)x & 0x7fffffff);
+            v8 near = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z + 1.33314422036e-1f) * z
+                       - 3.33332819422e-1f) * z * x + x;
+            v8 e = exp8(a * -2.0f);
+            v8 far = (v8)((v8i)((1.0f - e) / (1.0f + e)) | ((v8i)x & (int32_t)0x80000000));   /* the sign of x */
+            v8i small = a < 0.625f;
+            *(v8 *)(s + g * ls + t) = (v8)((small & (v8i)near) | (~small & (v8i)far)) * cap;
+        }
+}
+
 /* softmax in place over the len scores of each of G rows (stride ls, a multiple of 8; padded past len) */
 INLINE void softmax(float *s, int len, int ls, int G) {
     for (int g = 0; g < G; g++) {
@@ -160,37 +176,51 @@ C_ATTEND_BLOCK = r'''#define BY_HB(hb, call, ...) do { if ((hb) == 3) call(__VA_
 #define FOR_RUNS(slots, a, b, t, n) for (int t = (a), n; t < (b) && (n = ((ps - t % ps) < (b) - t ? ps - t % ps : (b) - t)) > 0; t += n)
 
 /* Query heads h * G + g of KV heads h in [0, NK) for the R query rows of a block (q, k, v, o start at the block's first KV
-   head; query row r: q + order[r] * q_stride, seeing positions [0, lens[r]) of page-table row prow[r]); each run of slots
-   is read for all NK KV heads before the next, so a thread walks the pool's rows (NK * D floats a slot) in order.
-   Positions [0, shared) are the same slots in every row of the block: each of their keys and values is read once for
-   all R rows. s: R * NK * G rows of ls scores. */
+   head; query row r: q + order[r] * q_stride, seeing positions [lo[r], lens[r]) of page-table row prow[r], lo[r] > 0
+   under a sliding window); each run of slots is read for all NK KV heads before the next, so a thread walks the pool's
+   rows (NK * D floats a slot) in order. Positions [0, shared) are the same slots in every row of the block: each of
+   their keys and values is read once for all R rows that see it, from the earliest lo on. s: R * NK * G rows of ls
+   scores, row r's score of position t at t - lo[r]; with cap > 0 the scores are soft-capped before the softmax. */
+#define SEEN(t0, n, r) (t0 >= lo[r] ? 0 : lo[r] - t0 < n ? lo[r] - t0 : n)   /* the run's first positions row r does not see */
 #define HEADS(body) for (int h = 0; h < NK; h++) for (int g = 0; g < G; g += 3) { const int hg = h * G + g, hb = G - g < 3 ? G - g : 3; body; }
 INLINE void attend_block(const float *q, int64_t q_stride, const float *k, const float *v, const int32_t *const *prow,
-                         const int32_t *order, const int32_t *lens, int R, int shared, float *o, int64_t o_stride, float *s,
-                         int ls, int G, int NK, int KVH, const int D, int ps, float scale) {
+                         const int32_t *order, const int32_t *lo, const int32_t *lens, int R, int shared, float *o,
+                         int64_t o_stride, float *s, int ls, int G, int NK, int KVH, const int D, int ps, float scale,
+                         float cap) {
     const int row = KVH * D, HN = NK * G;
-    FOR_RUNS(prow[0], 0, shared, t0, n) {
+    int first = shared;                                   /* the first shared position some row sees */
+    for (int r = 0; r < R; r++) if (lo[r] < first) first = lo[r];
+    FOR_RUNS(prow[0], first, shared, t0, n) {
         const float *kp = k + (int64_t)prow[0][t0] * row, *nx = NEXT_RUN(k, prow[0], t0 + n, shared);
-        for (int r = 0; r < R; r++)
-            HEADS(BY_HB(hb, scores, q + order[r] * q_stride + hg * D, kp + h * D, n, nx ? nx + h * D : 0, s + (r * HN + hg) * ls + t0, ls, scale))
+        for (int r = 0; r < R; r++) {
+            const int skip = SEEN(t0, n, r);
+            if (skip < n)
+                HEADS(BY_HB(hb, scores, q + order[r] * q_stride + hg * D, kp + skip * row + h * D, n - skip, nx ? nx + h * D : 0,
+                            s + (r * HN + hg) * ls + t0 + skip - lo[r], ls, scale))
+        }
     }
     for (int r = 0; r < R; r++) {
-        FOR_RUNS(prow[r], shared, lens[r], t0, n) {
+        FOR_RUNS(prow[r], shared > lo[r] ? shared : lo[r], lens[r], t0, n) {
             const float *kp = k + (int64_t)prow[r][t0] * row, *nx = NEXT_RUN(k, prow[r], t0 + n, lens[r]);
-            HEADS(BY_HB(hb, scores, q + order[r] * q_stride + hg * D, kp + h * D, n, nx ? nx + h * D : 0, s + (r * HN + hg) * ls + t0, ls, scale))
+            HEADS(BY_HB(hb, scores, q + order[r] * q_stride + hg * D, kp + h * D, n, nx ? nx + h * D : 0, s + (r * HN + hg) * ls + t0 - lo[r], ls, scale))
         }
-        softmax(s + r * HN * ls, lens[r], ls, HN);
+        if (cap > 0) soft_cap(s + r * HN * ls, lens[r] - lo[r], ls, HN, cap);
+        softmax(s + r * HN * ls, lens[r] - lo[r], ls, HN);
         memset(o + order[r] * o_stride, 0, sizeof(float) * HN * D);
     }
-    FOR_RUNS(prow[0], 0, shared, t0, n) {
+    FOR_RUNS(prow[0], first, shared, t0, n) {
         const float *vp = v + (int64_t)prow[0][t0] * row, *nx = NEXT_RUN(v, prow[0], t0 + n, shared);
-        for (int r = 0; r < R; r++)
-            HEADS(BY_HB(hb, values, s + (r * HN + hg) * ls + t0, vp + h * D, n, nx ? nx + h * D : 0, o + order[r] * o_stride + hg * D, ls))
+        for (int r = 0; r < R; r++) {
+            const int skip = SEEN(t0, n, r);
+            if (skip < n)
+                HEADS(BY_HB(hb, values, s + (r * HN + hg) * ls + t0 + skip - lo[r], vp + skip * row + h * D, n - skip, nx ? nx + h * D : 0,
+                            o + order[r] * o_stride + hg * D, ls))
+        }
     }
     for (int r = 0; r < R; r++)
-        FOR_RUNS(prow[r], shared, lens[r], t0, n) {
+        FOR_RUNS(prow[r], shared > lo[r] ? shared : lo[r], lens[r], t0, n) {
             const float *vp = v + (int64_t)prow[r][t0] * row, *nx = NEXT_RUN(v, prow[r], t0 + n, lens[r]);
-            HEADS(BY_HB(hb, values, s + (r * HN + hg) * ls + t0, vp + h * D, n, nx ? nx + h * D : 0, o + order[r] * o_stride + hg * D, ls))
+            HEADS(BY_HB(hb, values, s + (r * HN + hg) * ls + t0 - lo[r], vp + h * D, n, nx ? nx + h * D : 0, o + order[r] * o_stride + hg * D, ls))
         }
 }
 
@@ -199,7 +229,8 @@ INLINE void attend_block(const float *q, int64_t q_stride, const float *k, const
 # %% ../nbs/90_cpu_kernels.ipynb #cb4a2f84
 C_PAGED_ATTENTION = r'''#define MAX_BLOCK 16
 
-/* out[i] = attention of query row i (q + i * q_stride, [H, D]) over positions [0, lens[i]) of page-table row rows[i].
+/* out[i] = attention of query row i (q + i * q_stride, [H, D]) over positions [0, lens[i]) of page-table row rows[i]
+   (the last `window` of them when window > 0: a sliding window; with cap > 0 the scores soft-capped, cap tanh(s / cap)).
    The rows are taken in blocks: block b is rows order[starts[b] .. starts[b + 1]), at most 16, which share the slots of
    positions [0, shared[b]). k, v: one layer's pool [slots, KVH, D]; page_table: [num_rows, width] int32 slot ids;
    scratch: `threads` rows of scratch_stride floats, at least 16 * (H / KVH) * width (width rounded up to 8); with
@@ -215,7 +246,7 @@ int paged_attention_f32(const float *q, int64_t q_stride, float *k, float *v, co
                         float *scratch, int64_t scratch_stride, int threads, int64_t N, int H, int KVH, int D, int ps,
                         float scale, const int32_t *order, const int32_t *starts, const int32_t *shared, int64_t num_blocks,
                         const float *k_new, const float *v_new, int64_t k_new_stride, int64_t v_new_stride,
-                        const int64_t *new_slots, int64_t num_new, int64_t num_slots) {
+                        const int64_t *new_slots, int64_t num_new, int64_t num_slots, int window, float cap) {
     const int64_t ls_max = (width + 7) & ~7;
     if (H % KVH || (int64_t)MAX_BLOCK * (H / KVH) * ls_max > scratch_stride) return -3;
     for (int64_t i = 0; i < N; i++) {
@@ -260,16 +291,17 @@ int paged_attention_f32(const float *q, int64_t q_stride, float *k, float *v, co
         const int64_t b = w / per; const int kh = (int)(w % per) * NK;
         const int R = starts[b + 1] - starts[b];
         const int32_t *ord = order + starts[b], *prow[MAX_BLOCK];
-        int32_t len[MAX_BLOCK]; int ls = 8;
+        int32_t len[MAX_BLOCK], lo[MAX_BLOCK]; int ls = 8;   /* row r sees positions [lo[r], len[r]) */
         for (int r = 0; r < R; r++) {
             prow[r] = page_table + (int64_t)rows[ord[r]] * width; len[r] = lens[ord[r]];
-            if (((len[r] + 7) & ~7) > ls) ls = (len[r] + 7) & ~7;
+            lo[r] = window > 0 && len[r] > window ? len[r] - window : 0;
+            if (((len[r] - lo[r] + 7) & ~7) > ls) ls = (len[r] - lo[r] + 7) & ~7;
         }
         const float *qb = q + (int64_t)kh * G * D, *kb = k + (int64_t)kh * D, *vb = v + (int64_t)kh * D;
         float *ob = out + (int64_t)kh * G * D, *s = scratch + omp_get_thread_num() * scratch_stride;
-        if (D == 64) attend_block(qb, q_stride, kb, vb, prow, ord, len, R, shared[b], ob, (int64_t)H * D, s, ls, G, NK, KVH, 64, ps, scale);
-        else if (D == 128) attend_block(qb, q_stride, kb, vb, prow, ord, len, R, shared[b], ob, (int64_t)H * D, s, ls, G, NK, KVH, 128, ps, scale);
-        else attend_block(qb, q_stride, kb, vb, prow, ord, len, R, shared[b], ob, (int64_t)H * D, s, ls, G, NK, KVH, D, ps, scale);
+        if (D == 64) attend_block(qb, q_stride, kb, vb, prow, ord, lo, len, R, shared[b], ob, (int64_t)H * D, s, ls, G, NK, KVH, 64, ps, scale, cap);
+        else if (D == 128) attend_block(qb, q_stride, kb, vb, prow, ord, lo, len, R, shared[b], ob, (int64_t)H * D, s, ls, G, NK, KVH, 128, ps, scale, cap);
+        else attend_block(qb, q_stride, kb, vb, prow, ord, lo, len, R, shared[b], ob, (int64_t)H * D, s, ls, G, NK, KVH, D, ps, scale, cap);
     }
     return 0;
 }
@@ -706,7 +738,7 @@ INLINE int linear_weight_f32(const float *x, int64_t sx, const int64_t *rec, con
 /* The L decoder layers of a decode step (T tokens, one a request), the kernels above called in the order of the
    model's own forward, so the result is the same to the bit: per layer, RMSNorm (adding the residual), q/k/v
    projection, RoPE, the store of the new keys and values and paged attention (the plan's page table, rows, lengths and
-   blocks), output projection, RMSNorm (adding the residual), gate/up projection, SiLU-and-mul, down projection.
+   blocks; full attention, no soft cap: chapter 91 runs a model with either layer by layer), output projection, RMSNorm (adding the residual), gate/up projection, SiLU-and-mul, down projection.
    hidden [T, C]: the embeddings in, the last layer's output out; residual [T, C]: the residual stream out (layer 0
    starts it from the embeddings, as the model does). k, v: the pools of all layers, layer_stride floats apart.
    work: T * (C + (H + 2 KVH) D + H D + 3 I) floats. Returns 0, paged_attention_f32's error or -4 (out of memory). */
@@ -728,7 +760,7 @@ int decode_layers_f32(int64_t T, int L, int C, int H, int KVH, int D, int I, flo
         rope_f32(qkv, QKV, H, qkv + H * D, QKV, KVH, T, D, positions, cos_sin, scs, threads);
         err = paged_attention_f32(qkv, QKV, k + l * layer_stride, v + l * layer_stride, page_table, num_rows, width, rows, lens,
                                   att, scratch, scratch_stride, threads, T, H, KVH, D, ps, scale, order, starts, shared,
-                                  num_blocks, qkv + H * D, qkv + (H + KVH) * D, QKV, QKV, new_slots, T, num_slots);
+                                  num_blocks, qkv + H * D, qkv + (H + KVH) * D, QKV, QKV, new_slots, T, num_slots, 0, 0.0f);
         if (err) return err;
         if ((err = linear_weight_f32(att, H * D, REC(l, W_O), PTR(l, W_O_BIAS), hidden, C, T, C, H * D, threads))) return err;
         rms_norm_f32(hidden, C, residual, C, PTR(l, W_NORM2), normed, residual, T, C, eps, threads);
@@ -809,7 +841,7 @@ class PagedAttentionArgs(CArgs):
         int threads; int64_t num_queries; int num_heads; int num_kv_heads; int head_dim; int page_size; float scale;
         const int32_t *order; const int32_t *starts; const int32_t *shared; int64_t num_blocks; const float *k_new;
         const float *v_new; int64_t k_new_stride; int64_t v_new_stride; const int64_t *new_slots; int64_t num_new;
-        int64_t num_slots'''
+        int64_t num_slots; int window; float softcap'''
 
 @c_args
 class RmsNormArgs(CArgs):
@@ -868,7 +900,8 @@ int nanoserve_paged_attention(const PagedAttentionArgs *a) {
     return paged_attention_f32(a->q, a->q_stride, a->k, a->v, a->page_table, a->num_rows, a->width, a->rows, a->lens, a->out,
                                a->scratch, a->scratch_stride, a->threads, a->num_queries, a->num_heads, a->num_kv_heads,
                                a->head_dim, a->page_size, a->scale, a->order, a->starts, a->shared, a->num_blocks, a->k_new,
-                               a->v_new, a->k_new_stride, a->v_new_stride, a->new_slots, a->num_new, a->num_slots);
+                               a->v_new, a->k_new_stride, a->v_new_stride, a->new_slots, a->num_new, a->num_slots, a->window,
+                               a->softcap);
 }
 
 int nanoserve_rms_norm(const RmsNormArgs *a) {
@@ -1095,7 +1128,9 @@ class PagedAttention:
             out: torch.Tensor | None = None,   # [N, H, D] contiguous fp32 to write into (default: a new tensor)
             k_new: torch.Tensor | None = None, # [M, KVH, D]: keys of new tokens, stored at `new_slots` before attending
             v_new: torch.Tensor | None = None, # [M, KVH, D]: their values
-            new_slots: torch.Tensor | None = None) -> torch.Tensor:   # [M] int64 contiguous CPU: their slots
+            new_slots: torch.Tensor | None = None,   # [M] int64 contiguous CPU: their slots
+            window: int = 0,                   # sliding window: each row sees its last `window` positions (0: all)
+            softcap: float = 0.0) -> torch.Tensor:   # scores become softcap * tanh(score / softcap) (0: left alone)
         """Attention of each query row over its first `lens[i]` positions, read in place from the paged pool (after
         storing the new keys and values, if given); returns `[N, H, D]`."""
         if not supports(q, k_pool):
@@ -1109,6 +1144,8 @@ class PagedAttention:
             raise ValueError('paged_attention: each query row must be [H, D] contiguous')
         N, H, D = q.shape
         if N != self.n: raise ValueError(f'paged_attention: {N} query rows for {self.n} rows and lengths')
+        if window < 0 or not softcap >= 0:
+            raise ValueError(f'paged_attention: window and softcap must be >= 0, got {window} and {softcap}')
         if out is None: out = torch.empty(N, H, D)
         elif out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous() or not out.is_cpu:
             raise ValueError(f'paged_attention: out must be a contiguous fp32 CPU tensor of shape {tuple(q.shape)}')
@@ -1127,7 +1164,7 @@ class PagedAttention:
             starts=self.starts, shared=self.shared, num_blocks=self.shared.shape[0],
             k_new=k_new, v_new=v_new, k_new_stride=0 if k_new is None else k_new.stride(0),
             v_new_stride=0 if v_new is None else v_new.stride(0), new_slots=new_slots, num_new=num_new,
-            num_slots=k_pool.shape[0])
+            num_slots=k_pool.shape[0], window=window, softcap=softcap)
         self.check(self.lib(args), k_pool.shape[0], new_slots)
         return out
 
@@ -1177,7 +1214,7 @@ def paged_attention(q: torch.Tensor,           # [N, H, D] fp32: one query row e
                     page_size: int,            # a row's positions in pages of `page_size` consecutive slots
                     blocks: Blocks | None = None,   # query rows that share leading positions (default: none share)
                     out: torch.Tensor | None = None,
-                    **new) -> torch.Tensor:    # `k_new`, `v_new`, `new_slots`: as `PagedAttention.run` takes them
+                    **new) -> torch.Tensor:    # `k_new`, `v_new`, `new_slots`, `window`, `softcap`: as `run` takes them
     "Attention of each query row over its first `lens[i]` positions, read in place from the paged pool; `[N, H, D]`."
     return PagedAttention(page_table, rows, lens, page_size, blocks).run(q, k_pool, v_pool, scale, out, **new)
 

@@ -5,15 +5,17 @@
 # %% ../nbs/06_kernels.ipynb #ebb437c1
 from __future__ import annotations
 import os, re
+from functools import partial
 import torch
 import triton
 from .references import decode_attention_ref
 import triton.language as tl
 
 # %% auto #0
-__all__ = ['INTERPRET', 'DECODE_BLOCK_N', 'GPU_ARCHS', 'MODEL_SHAPES', 'rms_norm', 'rope', 'silu_and_mul', 'store_kv',
-           'decode_num_splits', 'decode_attention', 'extend_attention', 'bench_decode_attention', 'kernel_launches',
-           'capture_launches', 'compile_kernel', 'assembled', 'occupancy', 'judged', 'check_kernels']
+__all__ = ['INTERPRET', 'DECODE_BLOCK_N', 'GPU_ARCHS', 'MODEL_SHAPES', 'ATTENTION_OPTIONS', 'rms_norm', 'rope', 'silu_and_mul',
+           'store_kv', 'decode_num_splits', 'decode_span', 'decode_attention', 'extend_attention',
+           'bench_decode_attention', 'kernel_launches', 'capture_launches', 'compile_kernel', 'assembled', 'occupancy',
+           'judged', 'check_kernels']
 
 # %% ../nbs/06_kernels.ipynb #b626afdf
 INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'   # kernels run in the Triton interpreter (no GPU)
@@ -175,9 +177,23 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 # %% ../nbs/06_kernels.ipynb #eb0ae898
 @triton.jit
-def _attend_tile(q, k, v, mask, m, l, acc, qk_scale, P_TYPE: tl.constexpr, PRECISION: tl.constexpr):
+def _softcapped(s, softcap):
+    "`softcap * tanh(s / softcap)`: tanh by Cephes' polynomial below 0.625, through `exp2` above (no cancellation)."
+    x = s / softcap
+    a = tl.abs(x)
+    z = x * x
+    near = ((((-5.70498872745e-3 * z + 2.06390887954e-2) * z - 5.37397155531e-2) * z + 1.33314422036e-1) * z
+            - 3.33332819422e-1) * z * x + x
+    e = tl.exp2(a * -2.8853900817779268)                                # exp(-2|x|), in (0, 0.29] out there
+    far = (1.0 - e) / (1.0 + e)
+    return softcap * tl.where(a < 0.625, near, tl.where(x < 0, -far, far))
+
+@triton.jit
+def _attend_tile(q, k, v, mask, m, l, acc, qk_scale, softcap,
+                 P_TYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     "Fold one tile of keys `k` and values `v` `[BLOCK_N, D]` into the running `(m, l, acc)` of query rows `q`."
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale     # [rows, BLOCK_N] fp32, base-2 logits
+    if HAS_SOFTCAP: s = _softcapped(s, softcap)                          # the cap in base 2 too: c * log2(e)
     s = tl.where(mask, s, float('-inf'))
     m_new = tl.maximum(m, tl.max(s, 1))
     m_safe = tl.where(m_new == float('-inf'), 0.0, m_new)                # a row with nothing visible yet
@@ -190,10 +206,10 @@ def _attend_tile(q, k, v, mask, m, l, acc, qk_scale, P_TYPE: tl.constexpr, PRECI
 
 @triton.jit
 def _attend_paged(q, m, l, acc, k_cache_ptr, v_cache_ptr, page_table_ptr,
-                  table_row, kv_head, lo, hi, qk_scale,
+                  table_row, kv_head, lo, hi, qk_scale, softcap, row_pos, window,
                   stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, stride_pt,
                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr):
+                  DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     "Fold positions `[lo, hi)` of a request, read from the pool through its page-table row, into `(m, l, acc)`."
     n, d = tl.arange(0, BLOCK_N), tl.arange(0, BLOCK_D)
     d_mask = (d < HEAD_DIM)[None, :]
@@ -206,7 +222,10 @@ def _attend_paged(q, m, l, acc, k_cache_ptr, v_cache_ptr, page_table_ptr,
                     mask=kv_mask, other=0.0).to(DOT_TYPE)
         v = tl.load(v_cache_ptr + loc[:, None] * stride_vc_s + kv_head * stride_vc_h + d[None, :],
                     mask=kv_mask, other=0.0).to(DOT_TYPE)
-        m, l, acc = _attend_tile(q, k, v, n_mask[None, :], m, l, acc, qk_scale, k_cache_ptr.dtype.element_ty, PRECISION)
+        mask = n_mask[None, :]
+        if HAS_WINDOW: mask = mask & (pos[None, :] > row_pos[:, None] - window)   # rows at row_pos see W back
+        m, l, acc = _attend_tile(q, k, v, mask, m, l, acc, qk_scale, softcap,
+                                 k_cache_ptr.dtype.element_ty, PRECISION, HAS_SOFTCAP)
     return m, l, acc
 
 _TL_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -219,17 +238,20 @@ def _dot_type(pool_dtype: torch.dtype):
 @triton.jit
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_idx_ptr, seq_lens_ptr,
                          mid_o_ptr, mid_lse_ptr,
-                         qk_scale, num_splits,
+                         qk_scale, num_splits, window, softcap,
                          stride_qb, stride_qh, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, stride_pt,
                          stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                         DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr, SINGLE: tl.constexpr):
+                         DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr, SINGLE: tl.constexpr,
+                         HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     table_row = tl.load(table_idx_ptr + b).to(tl.int64)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N          # this request's positions per split
-    lo = split * chunk
+    first = 0                                                                   # the first position the query sees
+    if HAS_WINDOW: first = tl.maximum(seq_len - window, 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N  # this request's positions per split
+    lo = first + split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
     g, d = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g                                                 # the query heads of this KV head
@@ -241,9 +263,9 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, table_
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     m, l, acc = _attend_paged(q, m, l, acc, k_cache_ptr, v_cache_ptr, page_table_ptr,
-                              table_row, kv_head, lo, hi, qk_scale,
+                              table_row, kv_head, lo, hi, qk_scale, softcap, seq_len, window,
                               stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, stride_pt,
-                              HEAD_DIM, BLOCK_N, BLOCK_D, DOT_TYPE, PRECISION)
+                              HEAD_DIM, BLOCK_N, BLOCK_D, DOT_TYPE, PRECISION, False, HAS_SOFTCAP)   # [lo, hi): in it
     l_safe = tl.maximum(l, 1e-30)                                               # an empty chunk has l = 0
     lse = tl.where(l > 0, m + tl.log2(l_safe), float('-inf'))
     o_ptrs = mid_o_ptr + b64 * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + d[None, :]
@@ -286,16 +308,20 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
     want = triton.cdiv(4 * num_sms, max(batch * num_kv_heads, 1))
     return max(1, min(want, triton.cdiv(max_seq_len, 4 * DECODE_BLOCK_N), 32))
 
+def decode_span(max_seq_len: int, window: int = 0) -> int:
+    "The most positions a decode query reads: the longest sequence, or the window when it is shorter."
+    return min(max_seq_len, window) if window else max_seq_len
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      table_idx: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, *, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     "Triton `decode_attention_ref`: split-K flash decoding over the paged cache, GQA heads grouped; `[B, H, D]`."
     (B, H, D), KVH = q.shape, k_cache.shape[1]
-    assert H % KVH == 0 and k_cache.shape[2] == D
+    assert H % KVH == 0 and k_cache.shape[2] == D and window >= 0 and softcap >= 0
     assert q.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == page_table.stride(-1) == 1
     out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     if B == 0: return out
-    if num_splits is None: num_splits = decode_num_splits(B, KVH, int(seq_lens.max()))
+    if num_splits is None: num_splits = decode_num_splits(B, KVH, decode_span(int(seq_lens.max()), window))
     single = num_splits == 1            # the one chunk's output is the answer: written in place, no partials, no merge
     mid_o = out.view(B, H, 1, D) if single else torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
     mid_lse = out if single else torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
@@ -303,13 +329,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_split_kernel[(B, KVH, num_splits)](
         q, k_cache, v_cache, page_table, table_idx, seq_lens,
         mid_o, mid_lse,
-        scale * _LOG2E, num_splits,
+        scale * _LOG2E, num_splits, window, softcap * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         page_table.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         GROUP=H // KVH, HEAD_DIM=D,
         BLOCK_H=max(16, triton.next_power_of_2(H // KVH)), BLOCK_N=DECODE_BLOCK_N, BLOCK_D=block_d,
-        DOT_TYPE=_dot_type(k_cache.dtype), PRECISION='ieee', SINGLE=single, num_warps=4)
+        DOT_TYPE=_dot_type(k_cache.dtype), PRECISION='ieee', SINGLE=single,
+        HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, num_warps=4)
     if single: return out
     heads_per_program = triton.next_power_of_2(H) if INTERPRET else 1
     _decode_merge_kernel[(B, triton.cdiv(H, heads_per_program))](
@@ -324,12 +351,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 @triton.jit
 def _extend_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_table_ptr, table_idx_ptr,
                    prefix_lens_ptr, extend_lens_ptr, extend_start_ptr,
-                   qk_scale,
+                   qk_scale, window, softcap,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                    stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, stride_ot, stride_oh, stride_pt,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr):
+                   DOT_TYPE: tl.constexpr, PRECISION: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     b, kv_head, row_block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     extend_len = tl.load(extend_lens_ptr + b).to(tl.int32)
     row_start = row_block * BLOCK_M
@@ -347,14 +375,18 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_
     m = tl.full([BLOCK_M], float('-inf'), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    prefix_lo, new_lo = 0, 0              # the first prefix position and new token the block's earliest row sees
+    if HAS_WINDOW:
+        earliest = prefix_len + row_start // GROUP - window + 1
+        prefix_lo, new_lo = tl.maximum(earliest, 0), tl.maximum(earliest - prefix_len, 0)
     # 1. the prefix, through the page table
     m, l, acc = _attend_paged(q, m, l, acc, k_cache_ptr, v_cache_ptr, page_table_ptr,
-                              table_row, kv_head, 0, prefix_len, qk_scale,
+                              table_row, kv_head, prefix_lo, prefix_len, qk_scale, softcap, prefix_len + token, window,
                               stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h, stride_pt,
-                              HEAD_DIM, BLOCK_N, BLOCK_D, DOT_TYPE, PRECISION)
+                              HEAD_DIM, BLOCK_N, BLOCK_D, DOT_TYPE, PRECISION, HAS_WINDOW, HAS_SOFTCAP)
     # 2. the new tokens, causally
     last_token = tl.minimum(extend_len, (row_start + BLOCK_M - 1) // GROUP + 1)
-    for start in range(0, last_token, BLOCK_N):
+    for start in range(new_lo, last_token, BLOCK_N):
         j = start + n
         kv_rows = (first + j)[:, None]
         kv_mask = (j < extend_len)[:, None] & d_mask
@@ -362,18 +394,21 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, page_
                     mask=kv_mask, other=0.0).to(DOT_TYPE)
         v = tl.load(v_ptr + kv_rows * stride_vt + kv_head * stride_vh + d[None, :],
                     mask=kv_mask, other=0.0).to(DOT_TYPE)
-        causal = (j[None, :] <= token[:, None]) & (j < extend_len)[None, :]
-        m, l, acc = _attend_tile(q, k, v, causal, m, l, acc, qk_scale, k_cache_ptr.dtype.element_ty, PRECISION)
+        visible = (j[None, :] <= token[:, None]) & (j < extend_len)[None, :]
+        if HAS_WINDOW: visible = visible & (token[:, None] - j[None, :] < window)
+        m, l, acc = _attend_tile(q, k, v, visible, m, l, acc, qk_scale, softcap,
+                                 k_cache_ptr.dtype.element_ty, PRECISION, HAS_SOFTCAP)
     out = acc / tl.maximum(l, 1e-30)[:, None]
     out_ptrs = out_ptr + q_rows * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      page_table: torch.Tensor, table_idx: torch.Tensor, prefix_lens: torch.Tensor,
-                     extend_lens: torch.Tensor, scale: float, max_extend_len: int | None = None) -> torch.Tensor:
+                     extend_lens: torch.Tensor, scale: float, max_extend_len: int | None = None,
+                     *, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     "Triton `extend_attention_ref`: flash attention of new tokens over their paged prefix and themselves; `[T, H, D]`."
     (T, H, D), KVH = q.shape, k.shape[1]
-    assert H % KVH == 0
+    assert H % KVH == 0 and window >= 0 and softcap >= 0
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
     assert k_cache.stride(-1) == v_cache.stride(-1) == page_table.stride(-1) == 1
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
@@ -390,13 +425,14 @@ def extend_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     _extend_kernel[grid](
         q, k, v, k_cache, v_cache, out, page_table, table_idx,
         prefix_lens, extend_lens, extend_start,
-        scale * _LOG2E,
+        scale * _LOG2E, window, softcap * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         page_table.stride(0),
         GROUP=group, HEAD_DIM=D,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        DOT_TYPE=_dot_type(k_cache.dtype), PRECISION='ieee', num_warps=num_warps)
+        DOT_TYPE=_dot_type(k_cache.dtype), PRECISION='ieee', HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
+        num_warps=num_warps)
     return out
 
 # %% ../nbs/06_kernels.ipynb #5fb471e5
@@ -435,7 +471,12 @@ MODEL_SHAPES = {
     'Llama-3.2-1B': (2048, 8192, 32, 8, 64), 'Qwen3-0.6B': (1024, 3072, 16, 8, 128),
     'Llama-3.1-8B': (4096, 14336, 32, 8, 128), 'Qwen2.5-7B': (3584, 18944, 28, 4, 128),
     'head 96, group 5': (2400, 6400, 25, 5, 96), 'group 1': (1024, 2816, 8, 8, 128),
-    'group 6': (1536, 4096, 12, 2, 128)}
+    'group 6': (1536, 4096, 12, 2, 128), 'Mistral-7B': (4096, 14336, 32, 8, 128),
+    'Gemma-2-2B': (2304, 9216, 8, 4, 256), 'Gemma-3-1B': (1152, 6912, 4, 1, 256)}
+# the attention options layers take (chapter 08): a sliding window (Mistral, Gemma's local layers), soft-capped logits
+# (Gemma 2's global layers), both (its local ones); each is its own compiled variant of the attention kernels
+ATTENTION_OPTIONS = {'window': dict(window=4096), 'softcap': dict(softcap=50.0),
+                     'window, softcap': dict(window=4096, softcap=50.0)}
 
 def kernel_launches(shapes: dict = MODEL_SHAPES, dtypes=(torch.bfloat16, torch.float16, torch.float32)) -> list[tuple]:
     "`(configuration, wrapper, args)` per kernel launch of the engine at these shapes and dtypes (fp32: first only)."
@@ -457,6 +498,13 @@ def kernel_launches(shapes: dict = MODEL_SHAPES, dtypes=(torch.bfloat16, torch.f
                       (label + ', verify 5', extend_attention, (q, k, k, pool, pool, table, rows, rows, rows, 0.1, 5))]
             calls += [(f'{label}, {n} splits', decode_attention, (q, pool, pool, table, rows, rows, 0.1, n))
                       for n in (1, 2, 8, 32)]
+            for option, kwargs in ATTENTION_OPTIONS.items():
+                extend, decode = partial(extend_attention, **kwargs), partial(decode_attention, **kwargs)
+                calls += [(f'{label}, {option}', extend, (q, k, k, pool, pool, table, rows, rows, rows, 0.1, 2048)),
+                          (f'{label}, verify 5, {option}', extend,
+                           (q, k, k, pool, pool, table, rows, rows, rows, 0.1, 5))]
+                calls += [(f'{label}, {n} splits, {option}', decode, (q, pool, pool, table, rows, rows, 0.1, n))
+                          for n in (1, 8)]
     return calls
 
 def capture_launches(calls: list[tuple]) -> dict[tuple, str]:

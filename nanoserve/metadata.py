@@ -5,6 +5,7 @@
 # %% ../nbs/08_metadata.ipynb #0f2cd68e
 from __future__ import annotations
 import itertools, os
+from collections.abc import Sequence
 from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
@@ -66,9 +67,15 @@ def build_metadata(batch: Batch, table: PageTable, pad_to: int | None = None) ->
     return meta
 
 # %% ../nbs/08_metadata.ipynb #375c74b7
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+            softcap: float = 0.0) -> torch.Tensor:
     "q `[B, KVH, G*Tq, D]`-shaped attention over k, v `[B, KVH, S, D]`; GQA groups stay in the query dim."
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if not softcap: return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    # soft-capped scores (SDPA has no such option): the scores in fp32, capped, masked, then softmax
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None: scores = scores.masked_fill(~mask, float('-inf'))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
 
 def length_groups(seq_lens: list[int], page_size: int, min_saving: int = 1024,
                   min_rows: int = 8) -> list[tuple[list[int], int]]:
@@ -99,24 +106,29 @@ def attend_extends(q: torch.Tensor,            # [T, H, D]: the step's queries
                    page_table: torch.Tensor,   # [rows, max_len] int32
                    requests: list[Extend],     # the requests to attend (others' rows of `out` are left as they are)
                    scale: float,
-                   out: torch.Tensor):         # [T, H, D]: written at each request's rows
+                   out: torch.Tensor,          # [T, H, D]: written at each request's rows
+                   window: int = 0,            # sliding window: a query sees the last `window` positions (0: all)
+                   softcap: float = 0.0):      # logit soft-cap: scores become softcap * tanh(score / softcap)
     "Each request's new tokens attend to its cached prefix (through its page-table row) and causally to themselves."
     T, H, D = q.shape
     kvh = k.shape[1]
     g = H // kvh
     for row, prefix, n, start in requests:
         new = slice(start, start + n)                     # the request's rows of q, k, v and out
-        if prefix == 0:                                   # nothing cached: plain causal attention over the new keys
+        if prefix == 0 and not window and not softcap:    # nothing cached: plain causal attention over the new keys
             qi, ki, vi = (t[new].to(k_cache.dtype).transpose(0, 1)[None] for t in (q, k, v))   # [1, heads, n, D]
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
             out[new] = o[0].transpose(0, 1).to(q.dtype)
             continue
-        idx = page_table[row, :prefix + n].long()                                            # a cached prefix: gather
+        first = max(0, prefix - window + 1) if window else 0                                 # what the rows see
+        idx = page_table[row, first:prefix + n].long()                                       # gathered from the pool
         keys, vals = k_cache[idx].transpose(0, 1)[None], v_cache[idx].transpose(0, 1)[None]  # [1, KVH, S, D]
         qi = q[new].view(n, kvh, g, D).permute(1, 2, 0, 3).reshape(1, kvh, g * n, D)         # group-major rows
-        qpos = (prefix + torch.arange(n, device=q.device)).repeat(g)                         # position of each row
-        mask = torch.arange(prefix + n, device=q.device)[None, :] <= qpos[:, None]
-        o = _attend(qi.to(keys.dtype), keys, vals, mask[None, None], scale)                  # [1, KVH, G*n, D]
+        qpos = (prefix + torch.arange(n, device=q.device)).repeat(g)[:, None]                # position of each row
+        kpos = torch.arange(first, prefix + n, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if window: mask &= qpos - kpos < window
+        o = _attend(qi.to(keys.dtype), keys, vals, mask[None, None], scale, softcap)         # [1, KVH, G*n, D]
         out[new] = o.view(kvh, g, n, D).permute(2, 0, 1, 3).reshape(n, H, D).to(q.dtype)
 
 class AttentionBackend:
@@ -129,6 +141,22 @@ class AttentionBackend:
                  scale: float):          # softmax scale, usually head_dim ** -0.5
         self.k_cache, self.v_cache, self.scale = k_cache, v_cache, scale
         self.meta: ForwardMeta | None = None
+        self.sliding_windows: list[int] = []   # per layer: the last W positions a query sees, 0: all; empty: all full
+        self.logit_softcap = 0.0               # scores become softcap * tanh(score / softcap); 0: left as they are
+
+    def set_attention_options(self, sliding_windows: Sequence[int], logit_softcap: float = 0.0):
+        "A sliding window per layer (0: full attention; empty: every layer full) and the model's logit soft-cap."
+        windows = [int(w) for w in sliding_windows]
+        num_layers = self.k_cache.shape[0]
+        if windows and len(windows) != num_layers:
+            raise ValueError(f'sliding_windows: one per layer ({num_layers}), got {len(windows)}')
+        if any(w < 0 for w in windows): raise ValueError(f'sliding_windows: must be >= 0 (0: full), got {windows}')
+        if not logit_softcap >= 0: raise ValueError(f'logit_softcap: must be >= 0 (0: none), got {logit_softcap}')
+        self.sliding_windows, self.logit_softcap = windows, float(logit_softcap)
+
+    def window(self, layer: int) -> int:
+        "The sliding window of `layer`: the last positions a query sees (0: all of them)."
+        return self.sliding_windows[layer] if self.sliding_windows else 0
 
     def bind(self, model: DecoderForCausalLM):
         "Set `model` up to run beside this backend: every layer takes the backend's `ops`."
@@ -165,7 +193,8 @@ class TorchAttentionBackend(AttentionBackend):
         per_row = 2 * ps * self.k_cache[0, 0].numel() * self.k_cache.element_size()   # K and V bytes of one page
         tiled = self.k_cache.device.type == 'cpu'
         if tiled: first_page = meta.page_table[meta.table_idx.long(), 0].tolist()
-        self._tiles = []   # (rows: None for all, page ids [b * pages], mask [b, 1, 1, pages * page_size])
+        windows = set(self.sliding_windows) or {0}
+        self._tiles = []   # (rows: None for all, page ids [b * pages], {window: mask [b, 1, 1, pages * page_size]})
         for rows, num_pages in groups:
             rows = list(range(meta.num_reqs)) if rows is None else rows
             step = max(1, self.tile_bytes // (num_pages * per_row)) if tiled else len(rows)
@@ -177,28 +206,32 @@ class TorchAttentionBackend(AttentionBackend):
                 table_rows = meta.table_idx.long() if idx is None else meta.table_idx[idx].long()
                 pages = (meta.page_table[table_rows, :num_pages * ps:ps] // ps).long().flatten()
                 seq = meta.seq_lens if idx is None else meta.seq_lens[idx]
-                mask = (torch.arange(num_pages * ps, device=dev)[None, :] < seq[:, None].long())[:, None, None, :]
-                self._tiles.append((idx, pages, mask))
+                positions, lens = torch.arange(num_pages * ps, device=dev)[None, :], seq[:, None].long()
+                masks = {w: ((positions < lens) & (positions >= lens - w) if w else positions < lens)[:, None, None, :]
+                         for w in windows}   # a window's mask hides the positions behind it too
+                self._tiles.append((idx, pages, masks))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         "Store `k`, `v` `[T, KVH, D]` for `layer`, then attend with `q` `[T, H, D]`; returns `[T, H, D]`."
         m, kc, vc = self.meta, self.k_cache[layer], self.v_cache[layer]
         kc[m.out_loc] = k.to(kc.dtype)
         vc[m.out_loc] = v.to(vc.dtype)
+        window, softcap = self.window(layer), self.logit_softcap
         if m.phase != 'decode':
             out = torch.empty_like(q)
-            attend_extends(q, k, v, kc, vc, m.page_table, self._extends, self.scale, out)
+            attend_extends(q, k, v, kc, vc, m.page_table, self._extends, self.scale, out, window, softcap)
             return out
         T, H, D = q.shape
         kvh = k.shape[1]
         kp, vp = kc.view(-1, m.page_size * kvh * D), vc.view(-1, m.page_size * kvh * D)   # one row per page
         q4 = q.view(T, kvh, H // kvh, D).to(kc.dtype)
         out = None if len(self._tiles) == 1 else torch.empty_like(q4)
-        for idx, pages, mask in self._tiles:
+        for idx, pages, masks in self._tiles:
+            mask = masks[window]
             b, S = mask.shape[0], mask.shape[-1]
             keys = self._gather(kp, pages, 'k').view(b, S, kvh, D).transpose(1, 2)     # [b, KVH, S, D]
             vals = self._gather(vp, pages, 'v').view(b, S, kvh, D).transpose(1, 2)
-            o = _attend(q4 if idx is None else q4[idx], keys, vals, mask, self.scale)  # [b, KVH, G, D]
+            o = _attend(q4 if idx is None else q4[idx], keys, vals, mask, self.scale, softcap)   # [b, KVH, G, D]
             if idx is None: out = o
             else: out.index_copy_(0, idx, o)
         return out.reshape(T, H, D).to(q.dtype)
@@ -219,8 +252,11 @@ class TritonAttentionBackend(AttentionBackend):
         self.meta = meta
         if meta.phase == 'decode':
             num_kv_heads = self.k_cache.shape[2]
-            self._num_splits = self.kernels.decode_num_splits(meta.num_reqs, num_kv_heads, meta.max_seq_len,
-                                                              self._num_sms)
+            # per window (a layer reads at most its window of positions): how many ways its positions are split
+            self._num_splits = {w: self.kernels.decode_num_splits(meta.num_reqs, num_kv_heads,
+                                                                  self.kernels.decode_span(meta.max_seq_len, w),
+                                                                  self._num_sms)
+                                for w in set(self.sliding_windows) or {0}}
         else:
             self._max_extend_len = meta.max_extend_len
 
@@ -228,11 +264,12 @@ class TritonAttentionBackend(AttentionBackend):
         "Store `k`, `v` `[T, KVH, D]` for `layer`, then attend with `q` `[T, H, D]`; returns `[T, H, D]`."
         m, kc, vc = self.meta, self.k_cache[layer], self.v_cache[layer]
         self.kernels.store_kv(k, v, kc, vc, m.out_loc)
+        options = dict(window=self.window(layer), softcap=self.logit_softcap)
         if m.phase == 'decode':
             return self.kernels.decode_attention(q, kc, vc, m.page_table, m.table_idx, m.seq_lens, self.scale,
-                                                 self._num_splits)
+                                                 self._num_splits[options['window']], **options)
         return self.kernels.extend_attention(q, k, v, kc, vc, m.page_table, m.table_idx, m.prefix_lens, m.extend_lens,
-                                             self.scale, self._max_extend_len)
+                                             self.scale, self._max_extend_len, **options)
 
 # %% ../nbs/08_metadata.ipynb #84b55a86
 ATTENTION_BACKENDS = {'torch': TorchAttentionBackend, 'triton': TritonAttentionBackend}

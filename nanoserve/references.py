@@ -70,21 +70,31 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                          table_idx: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          num_splits: int | None = None,  # the Triton kernel's split count; the same answer without it
+                         *,
+                         window: int = 0,                # sliding window: see the last `window` positions (0: all)
+                         softcap: float = 0.0,           # logit soft-capping: `softcap * tanh(s / softcap)` (0: none)
                          ) -> torch.Tensor:
     "Attention of each request's one query `q` `[B, H, D]` over positions `[0, seq_len)` of its page-table row."
     (B, H, D), KVH = q.shape, k_cache.shape[1]
     L = int(seq_lens.max())
-    valid = torch.arange(L, device=q.device)[None] < seq_lens[:, None].long()          # [B, L]
+    positions, lens = torch.arange(L, device=q.device)[None], seq_lens[:, None].long()
+    valid = positions < lens                                                          # [B, L]
     locs = page_table[table_idx.long(), :L].long().where(valid, 0)
     k, v = k_cache[locs].float(), v_cache[locs].float()                               # [B, L, KVH, D]
     scores = torch.einsum('bkgd,blkd->bkgl', q.float().view(B, KVH, H // KVH, D), k) * scale
-    scores = scores.masked_fill(~valid[:, None, None], float('-inf'))
+    if softcap: scores = softcap * torch.tanh(scores / softcap)
+    visible = valid & (positions >= lens - window) if window else valid               # the query sits at seq_len - 1
+    scores = scores.masked_fill(~visible[:, None, None], float('-inf'))
     return torch.einsum('bkgl,blkd->bkgd', scores.softmax(-1), v).reshape(B, H, D).to(q.dtype)
 
 def extend_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                          table_idx: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
-                         scale: float) -> torch.Tensor:
+                         scale: float,
+                         *,
+                         window: int = 0,        # sliding window: a query sees the last `window` positions (0: all)
+                         softcap: float = 0.0,   # logit soft-capping: `softcap * tanh(s / softcap)` (0: none)
+                         ) -> torch.Tensor:
     "Causal attention of the new tokens `q` `[T, H, D]` over their prefix (through the page table) and themselves."
     (H, D), KVH = q.shape[1:], k.shape[1]
     out, start = torch.empty_like(q), 0
@@ -94,8 +104,12 @@ def extend_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         values = torch.cat([v_cache[locs].float(), v[start:start + e].float()])
         queries = q[start:start + e].float().view(e, KVH, H // KVH, D)
         scores = torch.einsum('tkgd,lkd->kgtl', queries, keys) * scale
-        causal = torch.arange(p + e, device=q.device)[None] <= torch.arange(p, p + e, device=q.device)[:, None]
-        scores = scores.masked_fill(~causal, float('-inf'))
+        if softcap: scores = softcap * torch.tanh(scores / softcap)
+        key_pos = torch.arange(p + e, device=q.device)[None]
+        query_pos = torch.arange(p, p + e, device=q.device)[:, None]
+        visible = key_pos <= query_pos
+        if window: visible &= query_pos - key_pos < window
+        scores = scores.masked_fill(~visible, float('-inf'))
         attended = torch.einsum('kgtl,lkd->tkgd', scores.softmax(-1), values)
         out[start:start + e] = attended.reshape(e, H, D).to(q.dtype)
         start += e
