@@ -271,11 +271,12 @@ def _check_kernels(args: argparse.Namespace) -> int:
     os.environ.pop('TRITON_INTERPRET', None)
     from nanoserve.bench import format_table
     from nanoserve.kernels import check_kernels
+    from nanoserve.moe import check_moe_kernels
     from nanoserve.quant_kernels import FP8_ARCHS, check_quant_kernels
     header = ['kernel', 'configuration', 'warps', 'registers', 'spills', 'shared KB', 'occupancy', 'verdict']
     failed = False
     for arch in args.arch or ['sm_90']:
-        rows = check_kernels(arch, args.workers) + check_quant_kernels(arch, args.workers)   # chapters 06, 07b
+        rows = check_kernels(arch, args.workers) + check_moe_kernels(arch, args.workers) + check_quant_kernels(arch, args.workers)
         cells = []
         for row in rows:
             shared_kb = None if row.get('shared') is None else row['shared'] // 1024
