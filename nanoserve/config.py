@@ -30,6 +30,7 @@ class Family:
     qk_norm: str = ''                # RMSNorm of q and k: '' none, 'head' per head, 'full' over all heads at once
     qkv_bias: bool | None = None     # bias on q, k and v: always (True), or as `attention_bias` says (None)
     windows: str = ''                # where `sliding_window` applies: '' nowhere, 'all' layers, 'some' (`layer_types`)
+    attn_softcap: bool = False       # attention scores soft-capped by `attn_logit_softcapping` (Gemma 2; not Gemma 3)
     moe: bool = False                # mixtures of experts for MLPs
     local_rope: bool = False         # sliding-window layers rotate with a base of their own (Gemma 3)
     renames: tuple[tuple[str, str], ...] = ()   # checkpoint spellings -> nanoserve's, where they differ
@@ -47,7 +48,7 @@ FAMILIES = {'LlamaForCausalLM': Family('llama'),
             'Qwen3ForCausalLM': Family('qwen3', qk_norm='head', windows='some'),
             'Phi3ForCausalLM': Family('phi3', windows='all'),
             'Olmo2ForCausalLM': Family('olmo2', norms='post', qk_norm='full'),
-            'Gemma2ForCausalLM': Family('gemma2', **_GEMMA),
+            'Gemma2ForCausalLM': Family('gemma2', **_GEMMA, attn_softcap=True),
             'Gemma3ForCausalLM': Family('gemma3_text', **_GEMMA, qk_norm='head', local_rope=True),
             'MixtralForCausalLM': Family('mixtral', windows='all', moe=True, renames=_MIXTRAL_NAMES),
             'Qwen3MoeForCausalLM': Family('qwen3_moe', qk_norm='head', windows='some', moe=True)}
@@ -200,7 +201,7 @@ class ModelConfig:
                    eos_token_ids=tuple(dict.fromkeys(eos)), bos_token_id=d.get('bos_token_id'), dtype=_DTYPES[dtype],
                    sliding_windows=windows if any(windows) else (),
                    local_rope_theta=_rope(d, 'sliding_attention')[0] if family.local_rope else 0.0,
-                   attn_logit_softcap=d.get('attn_logit_softcapping') or 0.0,
+                   attn_logit_softcap=family.attn_softcap and d.get('attn_logit_softcapping') or 0.0,
                    final_logit_softcap=d.get('final_logit_softcapping') or 0.0,
                    query_pre_attn_scalar=d.get('query_pre_attn_scalar') or 0.0,
                    num_experts=experts if moe_layers else 0,

@@ -142,6 +142,7 @@ class Worker:
         shape = (mc.num_layers, self.allocator.num_slots, local_kv_heads(mc, tp_size), mc.head_dim)
         self.backend = make_backend(config.attention_backend, shape, self.dtype, self.device, mc.attention_scale)
         self.k_cache, self.v_cache = self.backend.k_cache, self.backend.v_cache
+        self.backend.set_attention_options(mc.sliding_windows, mc.attn_logit_softcap)   # per layer (chapter 08)
         self.backend.bind(self.model)            # the ops the model runs beside the backend
         self.graphs = None      # CUDA graphs (chapter 08): on a GPU, with the Triton backend
         if self.device.type == 'cuda' and self.backend.name == 'triton' and config.cuda_graph_max_bs > 0:
