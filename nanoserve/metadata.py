@@ -131,6 +131,7 @@ def attend_extends(q: torch.Tensor,            # [T, H, D]: the step's queries
         o = _attend(qi.to(keys.dtype), keys, vals, mask[None, None], scale, softcap)         # [1, KVH, G*n, D]
         out[new] = o.view(kvh, g, n, D).permute(2, 0, 1, 3).reshape(n, H, D).to(q.dtype)
 
+# %% ../nbs/08_metadata.ipynb #f237185e
 class AttentionBackend:
     "What the model's attention layers call: store new K/V into the paged pool, then attend through the page table."
     name = ''
