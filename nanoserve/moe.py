@@ -12,8 +12,8 @@ from .kernels import GPU_ARCHS, INTERPRET, assembled, judged, silu_and_mul
 from .references import silu_and_mul_ref
 
 # %% auto #0
-__all__ = ['MOE_SHAPES', 'moe_route', 'moe_ref', 'moe_align', 'moe_tile_config', 'fused_moe', 'moe_per_pair', 'moe_grouped_mm',
-           'moe_cpu', 'moe_experts', 'moe_kernel_launches', 'capture_specialized_launches', 'check_moe_kernels']
+__all__ = ['MOE_SHAPES', 'moe_route', 'moe_ref', 'moe_align', 'moe_tile_config', 'fused_moe', 'moe_cpu', 'moe_experts',
+           'moe_kernel_launches', 'capture_specialized_launches', 'check_moe_kernels']
 
 # %% ../nbs/06b_moe.ipynb #57240171
 def moe_route(router_logits: torch.Tensor,  # [T, E]: the router's score of each expert for each token
@@ -156,19 +156,13 @@ def fused_moe(x: torch.Tensor,        # [T, C] bf16, fp16 or fp32
     return out
 
 # %% ../nbs/06b_moe.ipynb #7d1e7c77
-def moe_per_pair(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                 ids: torch.Tensor) -> torch.Tensor:
-    "(c) `moe_ref` as two matrix-vector products per (token, expert): no sorting, no gather."
-    out = torch.zeros(x.shape, dtype=torch.float32)
-    for token, (token_ids, token_weights) in enumerate(zip(ids.tolist(), weights.tolist())):
-        for expert, weight in zip(token_ids, token_weights):
-            h = silu_and_mul_ref(F.linear(x[token], w13[expert]))
-            out[token] += F.linear(h, w2[expert]).float() * weight
-    return out.to(x.dtype)
-
-def moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                   ids: torch.Tensor) -> torch.Tensor:
-    "(d) `moe_ref` with the pairs sorted by expert, then torch's grouped GEMM for gate/up and for down."
+def moe_cpu(x: torch.Tensor,        # [T, C] bf16, fp16 or fp32, on the CPU
+            w13: torch.Tensor,      # [E, 2I, C]: gate_proj rows [0, I), up_proj rows [I, 2I)
+            w2: torch.Tensor,       # [E, C, I]: down_proj
+            weights: torch.Tensor,  # fp32 [T, k]: the routing weights
+            ids: torch.Tensor,      # [T, k]: the experts
+           ) -> torch.Tensor:       # [T, C] in x's dtype
+    "`moe_ref` on the CPU: the pairs sorted by expert, then torch's grouped GEMM for gate/up and for down."
     top_k = ids.shape[1]
     flat = ids.flatten().long()
     order = torch.argsort(flat, stable=True)
@@ -177,15 +171,6 @@ def moe_grouped_mm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     h = silu_and_mul_ref(F.grouped_mm(x[token_of_pair], w13.transpose(1, 2), offs=ends))
     y = F.grouped_mm(h, w2.transpose(1, 2), offs=ends).float() * weights.flatten()[order, None]
     return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, token_of_pair, y).to(x.dtype)
-
-def moe_cpu(x: torch.Tensor,        # [T, C] bf16, fp16 or fp32, on the CPU
-            w13: torch.Tensor,      # [E, 2I, C]: gate_proj rows [0, I), up_proj rows [I, 2I)
-            w2: torch.Tensor,       # [E, C, I]: down_proj
-            weights: torch.Tensor,  # fp32 [T, k]: the routing weights
-            ids: torch.Tensor,      # [T, k]: the experts
-           ) -> torch.Tensor:       # [T, C] in x's dtype
-    "`moe_ref` on the CPU, the fastest way measured below: (c) for a single token, (d) for more."
-    return (moe_per_pair if x.shape[0] == 1 else moe_grouped_mm)(x, w13, w2, weights, ids)
 
 # %% ../nbs/06b_moe.ipynb #e192eff2
 def moe_experts(x: torch.Tensor,        # [T, C]
