@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from .model import ColumnParallelLinear, DecoderForCausalLM, Ops, ParallelLMHead, RMSNorm, RowParallelLinear
 from .quant import QuantizedWeight
+from .references import moe_cpu
 from .metadata import AttentionBackend, Extend, ForwardMeta, attend_extends, extends
 from .cpu_kernels import CPU_KERNELS_ENV, DecoderWeights, LayerWeights, PagedAttention, Panels, cpu_kernels
 from .cpu_kernels import QuantizedLinear, decode_layers_cpu, extend_blocks, linear_cpu, linear_quantized_cpu
@@ -201,7 +202,7 @@ class PackedLinears:
 
 def cpu_ops(packed: PackedLinears) -> Ops:
     "Appendix A's small ops and the product of `packed`'s weights; each falls back to its reference where C cannot."
-    return Ops(rms_norm_cpu, rope_cpu, silu_and_mul_cpu, packed.linear)
+    return Ops(rms_norm_cpu, rope_cpu, silu_and_mul_cpu, packed.linear, moe_cpu)
 
 # %% ../nbs/91_cpu_backend.ipynb #91a0000a
 def decoder_weights(model: DecoderForCausalLM, packed: PackedLinears) -> DecoderWeights | None:

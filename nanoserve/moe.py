@@ -5,42 +5,14 @@
 # %% ../nbs/06b_moe.ipynb #1bfaecbd
 from __future__ import annotations
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from .kernels import GPU_ARCHS, INTERPRET, assembled, judged, silu_and_mul
-from .references import silu_and_mul_ref
+from .references import moe_cpu
 
 # %% auto #0
-__all__ = ['MOE_SHAPES', 'moe_route', 'moe_ref', 'moe_align', 'moe_tile_config', 'fused_moe', 'moe_cpu', 'moe_experts',
-           'moe_kernel_launches', 'capture_specialized_launches', 'check_moe_kernels']
-
-# %% ../nbs/06b_moe.ipynb #57240171
-def moe_route(router_logits: torch.Tensor,  # [T, E]: the router's score of each expert for each token
-              top_k: int,                   # experts a token goes to
-              renormalize: bool,            # divide the top-k weights by their sum (Mixtral; Qwen3's norm_topk_prob)
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    "Each token's `top_k` experts by softmax probability (fp32): `(weights fp32 [T, k], ids int32 [T, k])`."
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize: weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
-
-# %% ../nbs/06b_moe.ipynb #7ce62fcc
-def moe_ref(x: torch.Tensor,        # [T, C] bf16, fp16 or fp32
-            w13: torch.Tensor,      # [E, 2I, C]: each expert's gate_proj (rows [0, I)) and up_proj (rows [I, 2I))
-            w2: torch.Tensor,       # [E, C, I]: each expert's down_proj
-            weights: torch.Tensor,  # fp32 [T, k]: the routing weights
-            ids: torch.Tensor,      # [T, k]: the experts
-           ) -> torch.Tensor:       # [T, C] in x's dtype
-    "`sum_j weights[t, j] * down(silu(gate x_t) * up x_t)` with expert `ids[t, j]`, in fp32 from the stored weights."
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for expert in ids.unique().tolist():
-        token, choice = (ids == expert).nonzero(as_tuple=True)
-        gate_up = (x[token].float() @ w13[expert].float().T).to(x.dtype)
-        h = silu_and_mul_ref(gate_up).float()
-        out.index_put_((token,), weights[token, choice, None] * (h @ w2[expert].float().T), accumulate=True)
-    return out.to(x.dtype)
+__all__ = ['MOE_SHAPES', 'moe_align', 'moe_tile_config', 'fused_moe', 'moe_experts', 'moe_kernel_launches',
+           'capture_specialized_launches', 'check_moe_kernels']
 
 # %% ../nbs/06b_moe.ipynb #13329d10
 def moe_align(ids: torch.Tensor,  # [T, k]: each token's experts
@@ -154,23 +126,6 @@ def fused_moe(x: torch.Tensor,        # [T, C] bf16, fp16 or fp32
         weighted.stride(0), out.stride(0),
         BLOCK_C=_SUM_BLOCK_C)
     return out
-
-# %% ../nbs/06b_moe.ipynb #7d1e7c77
-def moe_cpu(x: torch.Tensor,        # [T, C] bf16, fp16 or fp32, on the CPU
-            w13: torch.Tensor,      # [E, 2I, C]: gate_proj rows [0, I), up_proj rows [I, 2I)
-            w2: torch.Tensor,       # [E, C, I]: down_proj
-            weights: torch.Tensor,  # fp32 [T, k]: the routing weights
-            ids: torch.Tensor,      # [T, k]: the experts
-           ) -> torch.Tensor:       # [T, C] in x's dtype
-    "`moe_ref` on the CPU: the pairs sorted by expert, then torch's grouped GEMM for gate/up and for down."
-    top_k = ids.shape[1]
-    flat = ids.flatten().long()
-    order = torch.argsort(flat, stable=True)
-    ends = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)   # each expert's last pair + 1
-    token_of_pair = order // top_k
-    h = silu_and_mul_ref(F.grouped_mm(x[token_of_pair], w13.transpose(1, 2), offs=ends))
-    y = F.grouped_mm(h, w2.transpose(1, 2), offs=ends).float() * weights.flatten()[order, None]
-    return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, token_of_pair, y).to(x.dtype)
 
 # %% ../nbs/06b_moe.ipynb #e192eff2
 def moe_experts(x: torch.Tensor,        # [T, C]

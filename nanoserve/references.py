@@ -4,11 +4,12 @@
 
 # %% auto #0
 __all__ = ['rms_norm_ref', 'rope_inv_freq', 'rope_cos_sin_cache', 'rope_ref', 'silu_and_mul_ref', 'store_kv_ref',
-           'decode_attention_ref', 'extend_attention_ref']
+           'decode_attention_ref', 'extend_attention_ref', 'moe_route', 'moe_ref', 'moe_cpu']
 
 # %% ../nbs/05z_references.ipynb #6e1f0a05
 import math
 import torch
+import torch.nn.functional as F
 
 # %% ../nbs/05z_references.ipynb #cc2fe789
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -114,3 +115,45 @@ def extend_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out[start:start + e] = attended.reshape(e, H, D).to(q.dtype)
         start += e
     return out
+
+# %% ../nbs/05z_references.ipynb #05zmoe02
+def moe_route(router_logits: torch.Tensor,  # [T, E]: the router's score of each expert for each token
+              top_k: int,                   # experts a token goes to
+              renormalize: bool,            # divide the top-k weights by their sum (Mixtral; Qwen3's norm_topk_prob)
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    "Each token's `top_k` experts by softmax probability (fp32): `(weights fp32 [T, k], ids int32 [T, k])`."
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize: weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+def moe_ref(x: torch.Tensor,        # [T, C] bf16, fp16 or fp32
+            w13: torch.Tensor,      # [E, 2I, C]: each expert's gate_proj (rows [0, I)) and up_proj (rows [I, 2I))
+            w2: torch.Tensor,       # [E, C, I]: each expert's down_proj
+            weights: torch.Tensor,  # fp32 [T, k]: the routing weights
+            ids: torch.Tensor,      # [T, k]: the experts
+           ) -> torch.Tensor:       # [T, C] in x's dtype
+    "`sum_j weights[t, j] * down(silu(gate x_t) * up x_t)` with expert `ids[t, j]`, in fp32 from the stored weights."
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in ids.unique().tolist():
+        token, choice = (ids == expert).nonzero(as_tuple=True)
+        gate_up = (x[token].float() @ w13[expert].float().T).to(x.dtype)
+        h = silu_and_mul_ref(gate_up).float()
+        out.index_put_((token,), weights[token, choice, None] * (h @ w2[expert].float().T), accumulate=True)
+    return out.to(x.dtype)
+
+def moe_cpu(x: torch.Tensor,        # [T, C] bf16, fp16 or fp32, on the CPU
+            w13: torch.Tensor,      # [E, 2I, C]: gate_proj rows [0, I), up_proj rows [I, 2I)
+            w2: torch.Tensor,       # [E, C, I]: down_proj
+            weights: torch.Tensor,  # fp32 [T, k]: the routing weights
+            ids: torch.Tensor,      # [T, k]: the experts
+           ) -> torch.Tensor:       # [T, C] in x's dtype
+    "`moe_ref` on the CPU: the pairs sorted by expert, then torch's grouped GEMM for gate/up and for down."
+    top_k = ids.shape[1]
+    flat = ids.flatten().long()
+    order = torch.argsort(flat, stable=True)
+    ends = torch.bincount(flat, minlength=w13.shape[0]).cumsum(0).to(torch.int32)   # each expert's last pair + 1
+    token_of_pair = order // top_k
+    h = silu_and_mul_ref(F.grouped_mm(x[token_of_pair], w13.transpose(1, 2), offs=ends))
+    y = F.grouped_mm(h, w2.transpose(1, 2), offs=ends).float() * weights.flatten()[order, None]
+    return torch.zeros(x.shape, dtype=torch.float32).index_add_(0, token_of_pair, y).to(x.dtype)
