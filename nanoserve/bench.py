@@ -297,7 +297,7 @@ def result_table(res: dict) -> str:
     tables = {'random': _compare_table, 'shared-prefix': _compare_table, 'decode': _sweep_table,
               'ablations': _ablation_table, 'online': _latency_table, 'step-cost': _step_cost_table,
               'scheduler': _scheduler_table, 'gpu': _gpu_table, 'structured': _structured_table,
-              'quant': _quant_table, 'spec': _spec_table}
+              'quant': _quant_table, 'spec': _spec_table, 'moe': _moe_table}
     return tables[res['benchmark']](res)
 
 def _quant_table(res: dict) -> str:
@@ -307,6 +307,10 @@ def _quant_table(res: dict) -> str:
 def _spec_table(res: dict) -> str:
     from nanoserve.bench_spec import spec_table     # a later chapter's, likewise
     return spec_table(res)
+
+def _moe_table(res: dict) -> str:
+    from nanoserve.bench_moe import moe_table       # a later chapter's, likewise
+    return moe_table(res)
 
 def environment_line(env: dict) -> str:
     "An `environment()` in one line, as `nanoserve bench` prints it above its table."

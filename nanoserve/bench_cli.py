@@ -18,6 +18,7 @@ from .bench import (PERSON_SCHEMA, Workload, ablations, compare, decode_sweep, e
                              structured_benchmark)
 from .bench_quant import QUANT_FORMATS, quant_benchmark
 from .bench_spec import NGRAM, SPEC_WORKLOADS, spec_benchmark
+from .bench_moe import moe_benchmark
 from .results import figure_class, plot_ablations, plot_decode_sweep, plot_stream_times
 
 # %% auto #0
@@ -118,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument('--speculative-config', default=json.dumps(NGRAM),
                    help=f'the speculation measured, vLLM\'s JSON (default: {json.dumps(NGRAM)})')
     add_dataclass_flags(p.add_argument_group('engine (EngineConfig)'), EngineConfig, _SPEC_ENGINE_FLAGS)
+    p = command('moe', 'decode tok/s of a mixture of experts (random weights of 8 experts, top 2), beside transformers')
+    p.add_argument('--model', help='a MoE model directory or hub id (default: random weights, bench_moe.MOE_SHAPE)')
+    p.add_argument('--batch-sizes', type=int, nargs='+', default=[1, 8, 32])
+    p.add_argument('--context', type=int, default=128, help='tokens in a request when decoding starts (default: 128)')
+    p.add_argument('--steps', type=int, default=32, help='decode steps timed per batch size (default: 32)')
+    p.add_argument('--no-peer', action='store_true', help='skip transformers (the side-by-side peer)')
+    add_dataclass_flags(p.add_argument_group('engine (EngineConfig)'), EngineConfig, _ENGINE_FLAGS)
     p = command('scheduler', 'host time per decode step with the fake runner (no model)')
     p.add_argument('--batch-size', type=int, default=256)
     p.add_argument('--steps', type=int, default=32)
@@ -204,6 +212,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                   max_tokens=args.max_tokens, repeats=args.repeats,
                                   speculative_config=json.loads(args.speculative_config), seed=args.seed,
                                   **engine_kwargs))
+    elif kind == 'moe':
+        engine_kwargs = dataclass_kwargs(args, _ENGINE_FLAGS)
+        try: EngineConfig(model=args.model or '', **engine_kwargs)
+        except ValueError as e: parser.error(str(e))
+        model = resolve_model(args.model, verbose=True) if args.model else None
+        res.update(moe_benchmark(model, args.batch_sizes, args.context, args.steps, peer=not args.no_peer,
+                                 **engine_kwargs))
     elif kind == 'scheduler':
         res.update(scheduler_overhead(args.batch_size, args.steps, args.prompt_len, seed=args.seed))
     else:

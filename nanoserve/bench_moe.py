@@ -54,8 +54,8 @@ def moe_benchmark(model: str | Path | None = None, batch_sizes: Sequence[int] = 
                 ours = decode_throughput(engine, batch, context, steps, vocab)['tokens_per_s']
                 row = dict(batch_size=batch, nanoserve=ours)
                 if theirs is not None:
-                    row['transformers'] = transformers_decode_throughput(theirs, batch, context, steps, vocab)['tokens_per_s']
-                    row['ratio'] = ours / row['transformers']
+                    peer = transformers_decode_throughput(theirs, batch, context, steps, vocab)
+                    row.update(transformers=peer['tokens_per_s'], ratio=ours / peer['tokens_per_s'])
                 rows.append(row)
     shape = dict(experts=config.num_experts, top_k=config.num_experts_per_tok, hidden=config.hidden_size,
                  expert_intermediate=config.moe_intermediate_size, layers=config.num_layers)

@@ -11,11 +11,12 @@ from typing import Callable, Sequence
 from .bench import environment_line, format_table
 from .bench_quant import QUANT_TARGETS, QuantTarget
 from .bench_spec import SPEC_TARGETS
+from .bench_moe import MOE_TARGETS
 
 # %% auto #0
-__all__ = ['TARGETS', 'TARGET_HEADER', 'QUANT_CHECKS', 'SPEC_CHECKS', 'load_runs', 'run_on', 'load_averages', 'figure_class',
-           'plot_decode_sweep', 'longest_gap_stream', 'plot_stream_times', 'plot_ablations', 'Target', 'median_run',
-           'target_rows', 'quant_target_rows', 'speedups_markdown', 'cpu_ablations_table']
+__all__ = ['TARGETS', 'TARGET_HEADER', 'QUANT_CHECKS', 'SPEC_CHECKS', 'MOE_CHECKS', 'load_runs', 'run_on', 'load_averages',
+           'figure_class', 'plot_decode_sweep', 'longest_gap_stream', 'plot_stream_times', 'plot_ablations', 'Target',
+           'median_run', 'target_rows', 'quant_target_rows', 'speedups_markdown', 'cpu_ablations_table']
 
 # %% ../nbs/15a_results.ipynb #7e2b5a06
 def _run_key(path: Path) -> tuple[str, int]:
@@ -260,6 +261,20 @@ def _spec_detail(workload: str, batch: int) -> Callable[[dict], str]:
 
 SPEC_CHECKS = tuple(Target(name, 'spec', lambda r, w=workload, b=batch: _spec_run(r, w, b)['speedup'], bound, False,
                            'x{:.2f}', _spec_detail(workload, batch)) for name, workload, batch, bound in SPEC_TARGETS)
+
+# %% ../nbs/15a_results.ipynb #15amoe02
+def _moe_row(res: dict, batch: int) -> dict:
+    return next(r for r in res['rows'] if r['batch_size'] == batch)
+
+def _moe_detail(batch: int) -> Callable[[dict], str]:
+    "The figures behind a MoE target, from one stored `moe` run."
+    def detail(res: dict) -> str:
+        row = _moe_row(res, batch)
+        return f"{row['nanoserve']:,.1f} vs {row['transformers']:,.1f} tok/s at batch {batch}"
+    return detail
+
+MOE_CHECKS = tuple(Target(name, 'moe', lambda r, b=batch: _moe_row(r, b)['ratio'], bound, False, 'x{:.2f}',
+                          _moe_detail(batch)) for name, batch, bound in MOE_TARGETS)
 
 # %% ../nbs/15a_results.ipynb #5f0e1a01
 def speedups_markdown(doc: dict) -> str:

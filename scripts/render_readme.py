@@ -17,10 +17,11 @@ BENCH_TARGETS = '<!-- bench-targets -->'
 def _targets_table() -> str:
     "The targets of chapter 15a as a Markdown table, each figure read from the stored runs."
     sys.path.insert(0, str(root))     # this checkout's nanoserve, not another installed one
-    from nanoserve.results import SPEC_CHECKS, TARGET_HEADER, load_runs, quant_target_rows, target_rows
+    from nanoserve.results import MOE_CHECKS, SPEC_CHECKS, TARGET_HEADER, load_runs, quant_target_rows, target_rows
     runs = load_runs(root/'nbs'/'bench_results')
     rows = target_rows(runs) + (quant_target_rows(runs) if runs.get('quant') else [])
     rows += target_rows(runs, SPEC_CHECKS) if runs.get('spec') else []
+    rows += target_rows(runs, MOE_CHECKS) if runs.get('moe') else []
     lines = [TARGET_HEADER, ['---'] * len(TARGET_HEADER), *rows]
     return '\n'.join('| ' + ' | '.join(line) + ' |' for line in lines)
 

@@ -31,6 +31,7 @@ RUNS = {     # name: the command, less where its JSON goes ('bench' means `nanos
     'structured': ['bench', 'structured', '--input-len', '32', '64'],
     'quant': ['bench', 'quant'],
     'spec': ['bench', 'spec'],
+    'moe': ['bench', 'moe'],
     'cpu-ablations': ['script', 'cpu_ablations.py', '32'],
     'replicas': ['script', 'replica_bench.py'],
 }
