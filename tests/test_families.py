@@ -53,3 +53,29 @@ def test_readme_lists_every_family():
     from nanoserve.config import FAMILIES
     readme = (Path(__file__).parent.parent / 'README.md').read_text()
     assert all(f'`{arch}`' in readme for arch in FAMILIES)
+
+def test_windowed_kv_memory_stays_flat(tmp_path):
+    "A Mistral-style request (every layer windowed, 16 positions) growing far past its window: its pages stay flat."
+    path = save_tiny_model(tmp_path / 'mistral', 'mistral', seed=3)
+    e = Engine(model=str(path), device='cpu', page_size=4, num_pages=256)
+    assert e.scheduler.kv_window == 16
+    req = e.add_request(0, list(range(3, 20)), SamplingParams(temperature=0, max_tokens=150, ignore_eos=True))
+    used = []
+    while e.has_unfinished:
+        e.step()
+        if not req.finished: used.append(e.scheduler.allocator.num_pages - e.scheduler.allocator.num_free)
+    e.scheduler.check_integrity()
+    assert len(req.output_ids) == 150
+    # the prompt's 4 whole pages, held by the prefix cache, and the window's 4 pages and the one being filled
+    assert max(used[30:]) <= 17 // 4 + 16 // 4 + 1
+    assert max(used) < (17 + 150) // 4            # far below what the whole sequence would hold
+    hf = hf_greedy_long(path, list(range(3, 20)), 150)
+    assert req.output_ids == hf
+
+def hf_greedy_long(path, prompt, n) -> list[int]:
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation='eager').eval()
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
