@@ -21,9 +21,9 @@ from .references import moe_ref, moe_route, rms_norm_ref, rope_cos_sin_cache, ro
 __all__ = ['TORCH_OPS', 'AttentionFn', 'LayersRunner', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'Ops', 'triton_ops',
            'default_weight_loader', 'ColumnParallelLinear', 'MergedColumnParallelLinear', 'QKVParallelLinear',
            'RowParallelLinear', 'VocabParallelEmbedding', 'ParallelLMHead', 'RMSNorm', 'AllHeadsRMSNorm',
-           'RotaryEmbedding', 'Attention', 'gelu_and_mul', 'MLP', 'DecoderLayer', 'DecoderModel', 'DecoderForCausalLM',
-           'FusedExperts', 'SparseMoeBlock', 'build_model', 'checkpoint_files', 'load_weights', 'resolve_model_path',
-           'load_model']
+           'RotaryEmbedding', 'Attention', 'gelu_and_mul', 'MLP', 'FusedExperts', 'SparseMoeBlock', 'DecoderLayer',
+           'DecoderModel', 'DecoderForCausalLM', 'build_model', 'checkpoint_files', 'load_weights',
+           'resolve_model_path', 'load_model']
 
 # %% ../nbs/07_model.ipynb #e707e8a4
 class Ops(NamedTuple):
@@ -315,6 +315,7 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Te
 LayersRunner = Callable[[torch.Tensor, torch.Tensor], 'tuple[torch.Tensor, torch.Tensor] | None']
 "A whole-step hook: `(hidden [T, C], positions [T]) -> (hidden, residual)` after all the layers, or None to decline."
 
+# %% ../nbs/07_model.ipynb #07dec002
 class Attention(nn.Module):
     "One attention block: fused q/k/v projection, the family's q/k norm, RoPE, the backend, output projection."
     def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
@@ -365,6 +366,51 @@ class MLP(nn.Module):
         act = self.ops.silu_and_mul(gate_up) if self.activation == 'silu' else gelu_and_mul(gate_up)
         return self.down_proj(act)
 
+# %% ../nbs/07_model.ipynb #07moe002
+class FusedExperts(nn.Module):
+    "Every expert's gated MLP, stacked: `gate_up_proj` `[E, 2 I, C]`, `down_proj` `[E, C, I]`, `I` split over ranks."
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        _check_tp(tp_rank, tp_size)
+        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.local_size = I = _divide(intermediate_size, tp_size, 'moe_intermediate_size')
+        experts = range(num_experts)
+        self.gate_up_proj = _parameter(num_experts, 2 * I, hidden_size, loader=self.weight_loader,
+                                       shards=tuple((e, part) for e in experts for part in (0, 1)))
+        self.down_proj = _parameter(num_experts, hidden_size, I, loader=self.weight_loader, shards=tuple(experts))
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id):
+        "Copy this rank's slice of one expert's gate or up rows (`shard_id` `(e, 0 or 1)`) or down columns (`e`)."
+        I, C, first = self.local_size, self.hidden_size, self.tp_rank * self.local_size
+        if param is self.down_proj:
+            full = (C, self.intermediate_size)
+            return _copy(param.data[shard_id], loaded_weight, full, lambda t: t.narrow(1, first, I))
+        e, part = shard_id
+        _copy(param.data[e, part * I:(part + 1) * I], loaded_weight, (self.intermediate_size, C),
+              lambda t: t.narrow(0, first, I))
+
+    def extra_repr(self) -> str:
+        return (f'{self.num_experts} experts, {self.hidden_size} -> {self.local_size} of {self.intermediate_size} '
+                f'(rank {self.tp_rank}/{self.tp_size})')
+
+class SparseMoeBlock(nn.Module):
+    "A mixture of experts (Mixtral, Qwen3-MoE): a router sends each token to its top-k experts and mixes their outputs."
+    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = ColumnParallelLinear(config.hidden_size, config.num_experts)   # the router, whole on every rank
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                                    tp_rank, tp_size)
+        self.tp_size = tp_size
+        self.ops = TORCH_OPS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)
+        out = self.ops.moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        return _all_reduce(out) if self.tp_size > 1 else out
+
+# %% ../nbs/07_model.ipynb #07dec004
 class DecoderLayer(nn.Module):
     "Attention and MLP blocks with the family's norms; carries the residual stream beside the hidden state."
     def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding,
@@ -463,50 +509,6 @@ class DecoderForCausalLM(nn.Module):
     def use_triton_ops(self, enabled: bool = True) -> DecoderForCausalLM:
         "Run the norms, rotary embedding and MLP activation with chapter 06's Triton kernels (`False`: the references)."
         return self.use_ops(triton_ops() if enabled else TORCH_OPS)
-
-# %% ../nbs/07_model.ipynb #07moe002
-class FusedExperts(nn.Module):
-    "Every expert's gated MLP, stacked: `gate_up_proj` `[E, 2 I, C]`, `down_proj` `[E, C, I]`, `I` split over ranks."
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__()
-        _check_tp(tp_rank, tp_size)
-        self.num_experts, self.hidden_size, self.intermediate_size = num_experts, hidden_size, intermediate_size
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.local_size = I = _divide(intermediate_size, tp_size, 'moe_intermediate_size')
-        experts = range(num_experts)
-        self.gate_up_proj = _parameter(num_experts, 2 * I, hidden_size, loader=self.weight_loader,
-                                       shards=tuple((e, part) for e in experts for part in (0, 1)))
-        self.down_proj = _parameter(num_experts, hidden_size, I, loader=self.weight_loader, shards=tuple(experts))
-
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id):
-        "Copy this rank's slice of one expert's gate or up rows (`shard_id` `(e, 0 or 1)`) or down columns (`e`)."
-        I, C, first = self.local_size, self.hidden_size, self.tp_rank * self.local_size
-        if param is self.down_proj:
-            full = (C, self.intermediate_size)
-            return _copy(param.data[shard_id], loaded_weight, full, lambda t: t.narrow(1, first, I))
-        e, part = shard_id
-        _copy(param.data[e, part * I:(part + 1) * I], loaded_weight, (self.intermediate_size, C),
-              lambda t: t.narrow(0, first, I))
-
-    def extra_repr(self) -> str:
-        return (f'{self.num_experts} experts, {self.hidden_size} -> {self.local_size} of {self.intermediate_size} '
-                f'(rank {self.tp_rank}/{self.tp_size})')
-
-class SparseMoeBlock(nn.Module):
-    "A mixture of experts (Mixtral, Qwen3-MoE): a router sends each token to its top-k experts and mixes their outputs."
-    def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__()
-        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
-        self.gate = ColumnParallelLinear(config.hidden_size, config.num_experts)   # the router, whole on every rank
-        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
-                                    tp_rank, tp_size)
-        self.tp_size = tp_size
-        self.ops = TORCH_OPS
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = moe_route(self.gate(x), self.top_k, self.renormalize)
-        out = self.ops.moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
-        return _all_reduce(out) if self.tp_size > 1 else out
 
 # %% ../nbs/07_model.ipynb #449a09ba
 @contextmanager

@@ -12,7 +12,7 @@ from .references import moe_cpu
 
 # %% auto #0
 __all__ = ['MOE_SHAPES', 'moe_align', 'moe_tile_config', 'fused_moe', 'moe_experts', 'moe_kernel_launches',
-           'capture_specialized_launches', 'check_moe_kernels']
+           'capture_specialized_launches', 'compile_specialized_row', 'check_moe_kernels']
 
 # %% ../nbs/06b_moe.ipynb #13329d10
 def moe_align(ids: torch.Tensor,  # [T, k]: each token's experts
@@ -186,7 +186,7 @@ def capture_specialized_launches(calls: list[tuple]) -> dict[tuple, tuple]:
     finally: JITFunction.run = run
     return found
 
-def _compile_row(arch: str, key: tuple, constexprs: dict, attributes: dict, config: str) -> dict:
+def compile_specialized_row(arch: str, key: tuple, constexprs: dict, attributes: dict, config: str) -> dict:
     "One launch compiled for `arch`: its row of registers, spills, shared memory, occupancy and problem."
     import importlib
     from triton.backends.compiler import GPUTarget
@@ -206,5 +206,5 @@ def check_moe_kernels(arch: str = 'sm_90', workers: int = 2, calls: list[tuple] 
     if arch not in GPU_ARCHS: raise ValueError(f"arch must be one of {', '.join(GPU_ARCHS)}, got {arch!r}")
     launches = capture_specialized_launches(moe_kernel_launches() if calls is None else calls)
     with ProcessPoolExecutor(workers) as pool:
-        futures = [pool.submit(_compile_row, arch, key, *found) for key, found in launches.items()]
+        futures = [pool.submit(compile_specialized_row, arch, key, *found) for key, found in launches.items()]
         return [f.result() for f in futures]

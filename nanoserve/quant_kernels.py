@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from .kernels import GPU_ARCHS, INTERPRET, assembled, judged
+from .kernels import GPU_ARCHS, INTERPRET
+from .moe import capture_specialized_launches, compile_specialized_row
 from .quant import FP8_MAX
 
 # %% auto #0
@@ -273,58 +274,11 @@ def quant_kernel_launches(shapes: dict = QUANT_SHAPES, batch_sizes=(1, 16, 64, 2
                         calls.append((label + ', FP8', linear_fp8, (x, w, w_scale, bias)))
     return calls
 
-def _capture_launches(calls: list[tuple]) -> dict[tuple, tuple]:
-    "Run each wrapper without launching its kernels: `{launch key: (constexprs, attributes, configuration)}`."
-    from triton.backends.compiler import BaseBackend
-    from triton.runtime.jit import JITFunction, native_specialize_impl
-    assert not INTERPRET, 'compiling for a GPU needs the kernels compiled, not interpreted: unset TRITON_INTERPRET'
-    found, run, current = {}, JITFunction.run, {}
-    def capture(fn, *args, grid, warmup, **kwargs):
-        all_args = args + tuple(kwargs.get(p.name) for p in fn.params[len(args):])
-        signature, constexprs, attributes = {}, {}, {}
-        for index, (param, arg) in enumerate(zip(fn.params, all_args)):
-            if param.is_constexpr:
-                signature[param.name], constexprs[param.name] = 'constexpr', arg
-                continue
-            # specialized as a launch specializes it: an int equal to 1 becomes a constant; a multiple of 16, or an
-            # aligned pointer, is marked divisible by 16, which lets loads be vectorized
-            kind, specialization = native_specialize_impl(BaseBackend, arg, False, True, True)
-            signature[param.name] = kind
-            if kind == 'constexpr': constexprs[param.name] = arg
-            elif specialization: attributes[(index,)] = BaseBackend.parse_attr(specialization)
-        options = tuple(sorted((k, v) for k, v in kwargs.items() if k in ('num_warps', 'num_stages')))
-        key = (fn.__name__, tuple(signature.items()), tuple((k, str(v)) for k, v in constexprs.items()),
-               tuple(sorted(attributes)), options)
-        found.setdefault(key, (constexprs, attributes, current['config']))
-    JITFunction.run = capture
-    try:
-        for config, wrapper, args in calls:
-            current['config'] = config
-            wrapper(*args)
-    finally: JITFunction.run = run
-    return found
-
-def _compile_launch(arch: str, kernel: str, signature: dict, constexprs: dict, attributes: dict, options: dict) -> dict:
-    "Compile one launch for `arch` with Triton and NVIDIA's assembler: its registers, spills and shared memory."
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    capability = GPU_ARCHS[arch][0]
-    source = ASTSource(fn=globals()[kernel], signature=signature, constexprs=constexprs, attrs=attributes)
-    compiled = triton.compile(source, target=GPUTarget('cuda', capability, 32), options=options)
-    return assembled(compiled, capability)
-
-def _compile_row(arch: str, key: tuple, constexprs: dict, attributes: dict, config: str) -> dict:
-    kernel, signature, _, _, options = key
-    row = dict(kernel=kernel.strip('_'), config=config)
-    try: row.update(_compile_launch(arch, kernel, dict(signature), constexprs, attributes, dict(options)))
-    except Exception as e: return {**row, 'problem': f'does not compile: {type(e).__name__}: {str(e)[:200]}'}
-    return judged(arch, row)
-
 def check_quant_kernels(arch: str = 'sm_90', workers: int = 2, calls: list[tuple] | None = None) -> list[dict]:
     "`check_kernels` for the launches of `quant_kernel_launches` (FP8 on `FP8_ARCHS` only), or of `calls`."
     from concurrent.futures import ProcessPoolExecutor
     if arch not in GPU_ARCHS: raise ValueError(f"arch must be one of {', '.join(GPU_ARCHS)}, got {arch!r}")
-    launches = _capture_launches(quant_kernel_launches(fp8=arch in FP8_ARCHS) if calls is None else calls)
+    launches = capture_specialized_launches(quant_kernel_launches(fp8=arch in FP8_ARCHS) if calls is None else calls)
     with ProcessPoolExecutor(workers) as pool:
-        futures = [pool.submit(_compile_row, arch, key, *found) for key, found in launches.items()]
+        futures = [pool.submit(compile_specialized_row, arch, key, *found) for key, found in launches.items()]
         return [f.result() for f in futures]
