@@ -13,10 +13,9 @@ from typing import Any
 import torch
 
 # %% auto #0
-__all__ = ['FAMILIES', 'ARCHITECTURES', 'ROPE_TYPES', 'ACTIVATIONS', 'BATCH_POLICIES', 'QUANTIZATIONS', 'SPECULATIVE_METHODS',
-           'ENGINE_FLAGS', 'Family', 'ModelConfig', 'SpeculativeConfig', 'EngineConfig', 'resolve_device',
-           'default_num_batched_tokens', 'resolve_dtype', 'default_cache_dir', 'cdiv', 'field_docs',
-           'add_dataclass_flags', 'dataclass_kwargs']
+__all__ = ['FAMILIES', 'ARCHITECTURES', 'ROPE_TYPES', 'BATCH_POLICIES', 'QUANTIZATIONS', 'SPECULATIVE_METHODS', 'ENGINE_FLAGS',
+           'Family', 'ModelConfig', 'SpeculativeConfig', 'EngineConfig', 'resolve_device', 'default_num_batched_tokens',
+           'resolve_dtype', 'default_cache_dir', 'cdiv', 'field_docs', 'add_dataclass_flags', 'dataclass_kwargs']
 
 # %% ../nbs/00_config.ipynb #5e626a7f
 @dataclass(frozen=True)
@@ -40,7 +39,8 @@ class Family:
         "Whether its layers are Llama's: pre-norms, SwiGLU, no q/k norm, dense MLPs (what chapter 91's C runner runs)."
         return (self.norms, self.activation, self.norm_offset, self.qk_norm, self.moe) == ('pre', 'silu', 0.0, '', False)
 
-_MIXTRAL_NAMES = (('.block_sparse_moe.', '.mlp.'), ('.w1.', '.gate_proj.'), ('.w3.', '.up_proj.'), ('.w2.', '.down_proj.'))
+_MIXTRAL_NAMES = (('.block_sparse_moe.', '.mlp.'), ('.w1.', '.gate_proj.'), ('.w3.', '.up_proj.'),
+                  ('.w2.', '.down_proj.'))
 _GEMMA = dict(norms='sandwich', activation='gelu_pytorch_tanh', norm_offset=1.0, scaled_embedding=True, windows='some')
 FAMILIES = {'LlamaForCausalLM': Family('llama'),
             'MistralForCausalLM': Family('mistral', windows='all'),
@@ -55,7 +55,6 @@ FAMILIES = {'LlamaForCausalLM': Family('llama'),
 ARCHITECTURES = {arch: family.name for arch, family in FAMILIES.items()}   # transformers' class -> nanoserve's name
 _FAMILY_OF = {family.name: family for family in FAMILIES.values()}
 ROPE_TYPES = ('default', 'linear', 'llama3')
-ACTIVATIONS = ('silu', 'gelu_pytorch_tanh')
 BATCH_POLICIES = ('mixed', 'prefill-first', 'decode-first')   # how a step is filled (chapter 05)
 QUANTIZATIONS = ('gguf', 'int8', 'int4', 'fp8')   # weight formats (chapter 07c): a GGUF's blocks, or quantized at load
 _DTYPES = {'float32': torch.float32, 'float': torch.float32, 'bfloat16': torch.bfloat16,
@@ -67,7 +66,7 @@ def _as_ids(x) -> tuple[int, ...]:
     return tuple(int(i) for i in (x if isinstance(x, (list, tuple)) else [x]))
 
 def _rope(d: dict, layer_type: str | None = None) -> tuple[float, dict | None]:
-    "Read `(rope_theta, scaling)` from the `rope_parameters` (per layer type, Gemma 3's) or the older top-level spelling."
+    "`(rope_theta, scaling)` from the `rope_parameters` (per layer type: Gemma 3) or the older top-level spelling."
     params = dict(d.get('rope_parameters') or {})
     if layer_type is not None and layer_type in params: params = dict(params[layer_type])
     elif layer_type == 'sliding_attention': return float(d.get('rope_local_base_freq', 10000.0)), None
@@ -144,8 +143,12 @@ class ModelConfig:
             if getattr(self, name) < 1: raise ValueError(f'{name} must be >= 1, got {getattr(self, name)}')
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f'num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})')
+        for name in ('attn_logit_softcap', 'final_logit_softcap', 'query_pre_attn_scalar', 'local_rope_theta'):
+            value = getattr(self, name)
+            if not value >= 0: raise ValueError(f'{name} must be >= 0 (0: unset), got {value}')
         if self.sliding_windows and (len(self.sliding_windows) != self.num_layers or min(self.sliding_windows) < 0):
-            raise ValueError(f'sliding_windows: one window >= 0 per layer ({self.num_layers}), got {self.sliding_windows}')
+            raise ValueError(f'sliding_windows: one window >= 0 per layer ({self.num_layers}), '
+                             f'got {self.sliding_windows}')
         if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f'num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts '
                              f'({self.num_experts})')
@@ -178,7 +181,7 @@ class ModelConfig:
             raise ValueError(f"architectures: {archs} is not supported (supported: {', '.join(FAMILIES)})")
         family = FAMILIES[arch]
         activation = d.get('hidden_activation') or d.get('hidden_act') or family.activation
-        if activation not in ACTIVATIONS or activation != family.activation:
+        if activation != family.activation:
             raise ValueError(f'hidden_act: {activation!r} is not supported for {arch} (only {family.activation})')
         theta, scaling = _rope(d)
         layer_types = _layer_types(d, family)

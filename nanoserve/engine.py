@@ -147,9 +147,11 @@ class Worker:
         self.graphs = None      # CUDA graphs (chapter 08): on a GPU, with the Triton backend
         if self.device.type == 'cuda' and self.backend.name == 'triton' and config.cuda_graph_max_bs > 0:
             graph_max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
-            spec = config.speculation     # its verify steps get graphs too, up to the batch that still speculates
+            # verify steps (chapter 11b) get graphs too: up to the batch that still speculates, and no more tokens than
+            # the largest decode graph (an absurd num_speculative_tokens captures none, rather than a huge buffer)
+            spec = config.speculation
             verify_len = spec.num_speculative_tokens + 1 if spec is not None else 1
-            verify_bs = spec.disable_by_batch_size if spec is not None else 0
+            verify_bs = min(spec.disable_by_batch_size, graph_max_bs // verify_len) if spec is not None else 0
             self.graphs = GraphRunner(self.model, self.backend, self.table, graph_max_bs, verify_len, verify_bs)
             with torch.inference_mode(): self.graphs.capture()
         self.sampler = Sampler(seed=config.seed, device=self.device)
