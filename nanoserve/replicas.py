@@ -360,7 +360,7 @@ def serve_replicas(model: str, host: str = '127.0.0.1', port: int = 8000, served
     signal.signal(signal.SIGTERM, _raise_interrupt)   # uvicorn re-raises both once it has stopped
     try:
         gpus = engine_kwargs.get('device', 'auto') != 'cpu' and ray.cluster_resources().get('GPU', 0) > 0
-        serve.start(http_options=dict(location='NoServer'))    # no Ray Serve proxy: the HTTP front door is 14f's
+        serve.start(http_options=dict(location='NoServer'))    # no Ray Serve proxy: the HTTP front door is 14k's
         app = replica_app(path, name, engine_kwargs, routing, gpus, scaling, chat_template, watchdog_timeout,
                           integrity_check, drain_timeout)
         log(f'starting {data_parallel_size} engine replica(s) of {name} on Ray Serve ({routing} routing)')

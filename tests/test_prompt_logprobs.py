@@ -129,7 +129,8 @@ def test_answer_with_prompt_logprobs_is_not_walked_again_by_fastapis_encoder(mon
     prompt tokens with their top 20, on the event loop every stream shares) never walks it again."""
     import fastapi.routing
     from fastapi.testclient import TestClient
-    from nanoserve.server.frontend import Frontend, build_app
+    from nanoserve.server.frontend import Frontend
+    from nanoserve.server.app import build_app
     from nanoserve.server.messages import TextOut
     frontend = Frontend('tiny', {}, info={'path': '/models/tiny', 'max_model_len': 512})
     entries = [[5, 'a', None, []]] + [[5, 'a', -1.0, [[6, 'b', -0.5], [5, 'a', -1.0]]] for _ in range(300)]

@@ -4,29 +4,25 @@
 
 # %% ../../nbs/14e_frontend.ipynb #f6e0a004
 from __future__ import annotations
-import asyncio, gc, hashlib, hmac, time, traceback, uuid
+import asyncio, gc, hashlib, hmac, time, traceback
 from contextlib import asynccontextmanager
-from dataclasses import asdict
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Sequence
+from typing import Callable, Protocol, Sequence
 import zmq
 import zmq.asyncio
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import Request
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from ..req import SamplingParams, quoted
+from ..req import quoted
 from ..processes import exit_words
-from .messages import (
-    AbortReq, ContextLength, DebugReq, ErrorOut, GenerateReq, ReplyOut, TextOut, decode, encode, log, open_socket)
-from nanoserve.server.protocol import (
-    MAX_PROMPTS, SSE_DONE, ApiError, ChatCompletionRequest, Choice, CompletionRequest, ResponseFormat, ToolCallStream,
-    ToolCalling, encode_request, sampling_params_from, sse, structured_outputs_from, top_choices, usage_dict,
-    validation_error)
-if TYPE_CHECKING: from nanoserve.server.launch import Workers
+from nanoserve.server.messages import (
+    AbortReq, ContextLength, ErrorOut, GenerateReq, ReplyOut, TextOut, TokenizeOut, TokenizeReq, decode, encode, log,
+    open_socket)
+from .protocol import ApiError, encode_request, usage_dict
 
 # %% auto #0
-__all__ = ['MAX_REQUEST_BYTES', 'OPEN_PATHS', 'COLLECT_AFTER_BYTES', 'ServerMetrics', 'ClientDisconnected', 'unless_disconnected',
-           'Generation', 'Frontend', 'RequestGuard', 'CrashGuard', 'build_app']
+__all__ = ['MAX_REQUEST_BYTES', 'OPEN_PATHS', 'COLLECT_AFTER_BYTES', 'ErrorShape', 'ServerMetrics', 'ClientDisconnected',
+           'unless_disconnected', 'Generation', 'WorkerPool', 'Frontend', 'error_response', 'RequestGuard',
+           'CrashGuard']
 
 # %% ../../nbs/14e_frontend.ipynb #e8b7e8f6
 def _kv_cache_usage(counters: dict) -> float:
@@ -297,16 +293,28 @@ class _FrontendTasks:
         if self.on_fatal: asyncio.get_running_loop().call_later(0.5, self.on_fatal)
 
 # %% ../../nbs/14e_frontend.ipynb #1b518511
+class _Answer:
+    "The route of a request that generates nothing (`TokenizeReq`): its one reply, or the error in its place."
+    def __init__(self, future: asyncio.Future): self.future = future
+
+    def feed(self, item: TokenizeOut | ErrorOut):
+        if not self.future.done(): self.future.set_result(item)
+
+class WorkerPool(Protocol):
+    "What `Frontend` watches of the worker processes (chapter 14j's `Workers`): the first to exit, and their pids."
+    def dead(self) -> tuple[str, int] | None: ...
+    def pids(self) -> dict[str, int]: ...
+
 class Frontend(_FrontendTasks):
     "The API server's side of the processes: sends requests, routes replies, watches the workers and the scheduler."
     def __init__(self, model_name: str, ipc: dict[str, str], info: dict | None = None,
-                 workers: Workers | None = None,    # the worker processes, watched for an exit (chapter 14f)
+                 workers: WorkerPool | None = None, # the worker processes, watched for an exit (chapter 14j)
                  watchdog_timeout: float = 60.0,    # no scheduler progress this long, requests open: 503s; 0: off
                  debug_hooks: bool = False,         # serve `POST /debug/inject` (tests only)
                  stream_backlog: int = 1024):       # tokens per choice a stream's client may leave unread, then dropped
         self.model_name, self.ipc, self.info, self.workers = model_name, ipc, info or {}, workers
         self.watchdog_timeout, self.debug_hooks, self.stream_backlog = watchdog_timeout, debug_hooks, stream_backlog
-        self.routes: dict[str, Generation] = {}     # backend rid -> its generation
+        self.routes: dict[str, Generation | _Answer] = {}   # backend rid -> its generation (or answer)
         self.stats: dict = {}                       # the scheduler's latest counters
         self.fatal: str | None = None               # why the server cannot serve any more
         self.stalled: str | None = None             # why the watchdog thinks the scheduler is stuck
@@ -360,6 +368,18 @@ class Frontend(_FrontendTasks):
             self.send(r, d)
         return gen
 
+    async def lookup(self, msg: TokenizeReq) -> TokenizeOut:
+        "Ask the tokenizer process (`/tokenize`, `/detokenize`, chapter 14h): its answer, or its refusal as `ApiError`."
+        reason = self.unavailable()
+        if reason: raise ApiError(503, reason)
+        answer = _Answer(asyncio.get_running_loop().create_future())
+        self.routes[msg.rid] = answer
+        self.send(msg)
+        try: item = await answer.future
+        finally: self.routes.pop(msg.rid, None)
+        if isinstance(item, ErrorOut): raise ApiError(item.status, item.message, item.param, item.code)
+        return item
+
     def start_drain(self, timeout: float):
         "Begin draining (called from the SIGTERM handler: it only sets the deadline; the watchdog does the rest)."
         if self.drain_deadline is None: self.drain_deadline = time.monotonic() + timeout
@@ -374,8 +394,10 @@ class Frontend(_FrontendTasks):
 
 # %% ../../nbs/14e_frontend.ipynb #e3a1c002
 MAX_REQUEST_BYTES = 32 * 2**20          # 32 MiB: the largest body the server reads, unless told otherwise
-OPEN_PATHS = ('/health', '/metrics')    # served without an API key
+OPEN_PATHS = ('/health', '/metrics')    # served without an API key (a route chapter may open more: the playground)
 COLLECT_AFTER_BYTES = 2**20             # a refused body this large is freed at once, not at the next collection
+
+ErrorShape = Callable[[ApiError], Response]   # an API's own error envelope (Anthropic's, chapter 14g)
 
 def _digest(key: bytes) -> bytes: return hashlib.sha256(key).digest()
 
@@ -384,43 +406,58 @@ def _route_path(scope) -> str:
     path, root = scope['path'], scope.get('root_path', '')
     return path[len(root):] if root and path.startswith(root + '/') else path
 
-def _closing(error: ApiError) -> Response:
-    "The response for a request refused before its body was read: the connection cannot carry another request."
-    response = error.response()
-    response.headers['Connection'] = 'close'
-    return response
+def error_response(error: ApiError, path: str, shapes: dict[str, ErrorShape]) -> Response:
+    "`error` in the envelope of the API that `path` belongs to: the shape registered for its prefix, else OpenAI's."
+    for prefix, shape in shapes.items():
+        if path == prefix or path.startswith(prefix + '/'): return shape(error)
+    return error.response()
 
 class RequestGuard:
     "ASGI middleware: the API key, the body's size and the time it takes to arrive, checked before the app reads it."
     def __init__(self, app, api_keys: Sequence[str] = (),
                  max_request_bytes: int = MAX_REQUEST_BYTES,   # a larger body: 413, before it is read whole
-                 body_timeout: float = 30.0):                  # seconds for a body to arrive after its headers; 0: any
+                 body_timeout: float = 30.0,                   # seconds for a body to arrive after its headers; 0: any
+                 open_paths: Sequence[str] = OPEN_PATHS,       # served without a key (the app's, which may grow)
+                 error_shapes: dict[str, ErrorShape] | None = None):   # path prefix -> its API's error envelope
         self.app, self.max_request_bytes, self.body_timeout = app, max_request_bytes, body_timeout
+        self.open_paths, self.error_shapes = open_paths, {} if error_shapes is None else error_shapes
         self._keys = [_digest(key.encode()) for key in api_keys]   # digests only: nothing to leak but these
 
-    def authorized(self, sent: list[bytes]) -> bool:
-        "Whether `sent`, the Authorization headers, is one `Bearer KEY` of a key (compared with all, constant time)."
-        if len(sent) != 1: return False         # two credentials are ambiguous, whichever of them is right
-        scheme, _, token = sent[0].partition(b' ')
+    def _is_key(self, token: bytes) -> bool:
+        "Whether `token` is one of the keys (its digest compared with every key's, in constant time)."
         sent = _digest(token.strip())
         matches = [hmac.compare_digest(sent, key) for key in self._keys]
-        return scheme.lower() == b'bearer' and any(matches)
+        return any(matches)
+
+    def authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        "Whether the credentials sent are keys: one `Authorization: Bearer KEY`, one `x-api-key: KEY`, or both."
+        bearer = [value for name, value in headers if name == b'authorization']
+        plain = [value for name, value in headers if name == b'x-api-key']
+        if len(bearer) > 1 or len(plain) > 1: return False    # two of a kind are ambiguous, whichever is right
+        schemes = [value.partition(b' ') for value in bearer]
+        tokens = plain + [token for _, _, token in schemes]
+        if not tokens or any(scheme.lower() != b'bearer' for scheme, _, _ in schemes): return False
+        return all([self._is_key(token) for token in tokens])
 
     def too_large(self) -> ApiError:
         return ApiError(413, f'the request body is larger than the {self.max_request_bytes} bytes this server takes')
 
+    def _closing(self, error: ApiError, scope) -> Response:
+        "The answer to a request refused before its body was read: the connection cannot carry another request."
+        response = error_response(error, _route_path(scope), self.error_shapes)
+        response.headers['Connection'] = 'close'
+        return response
+
     async def __call__(self, scope, receive, send):
         if scope['type'] != 'http': return await self.app(scope, receive, send)
         headers = dict(scope['headers'])
-        credentials = [value for name, value in scope['headers'] if name == b'authorization']
-        if self._keys and _route_path(scope) not in OPEN_PATHS and not self.authorized(credentials):
-            message = 'a valid API key is required, as one "Authorization: Bearer KEY" header'
-            if len(credentials) > 1: message += f', got {len(credentials)} Authorization headers'
-            response = _closing(ApiError(401, message, None, 'invalid_api_key'))
+        if self._keys and _route_path(scope) not in self.open_paths and not self.authorized(scope['headers']):
+            message = 'a valid API key is required, as one "Authorization: Bearer KEY" or "x-api-key: KEY" header'
+            response = self._closing(ApiError(401, message, None, 'invalid_api_key'), scope)
             response.headers['WWW-Authenticate'] = 'Bearer'
             return await response(scope, receive, send)
         if int(headers.get(b'content-length', 0)) > self.max_request_bytes:
-            return await _closing(self.too_large())(scope, receive, send)
+            return await self._closing(self.too_large(), scope)(scope, receive, send)
         body, status = _BoundedBody(self, receive), 0
         async def watched_send(message):
             nonlocal status
@@ -451,7 +488,8 @@ class _BoundedBody:
 # %% ../../nbs/14e_frontend.ipynb #4c978b0b
 class CrashGuard:
     "ASGI middleware: a request that fails inside the app gets a 500 and one line in the log (the traceback at debug)."
-    def __init__(self, app): self.app = app
+    def __init__(self, app, error_shapes: dict[str, ErrorShape] | None = None):   # as `RequestGuard`'s
+        self.app, self.error_shapes = app, {} if error_shapes is None else error_shapes
 
     async def __call__(self, scope, receive, send):
         if scope['type'] != 'http': return await self.app(scope, receive, send)
@@ -467,167 +505,6 @@ class CrashGuard:
             log(f"{scope['method']} {_route_path(scope)} failed: {type(e).__name__}: {why}", 'error')
             log(traceback.format_exc(), 'debug')
             if not started:
-                return await ApiError(500, f'internal error: {type(e).__name__}').response()(scope, receive, send)
+                error = ApiError(500, f'internal error: {type(e).__name__}')
+                return await error_response(error, _route_path(scope), self.error_shapes)(scope, receive, send)
             if not ended: await send({'type': 'http.response.body', 'body': b'', 'more_body': False})   # cut short
-
-
-# %% ../../nbs/14e_frontend.ipynb #6a743ddf
-class _EventStream(StreamingResponse):
-    "An SSE response that runs `on_close` however it ends (finished, failed, or the client went away)."
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(events, media_type='text/event-stream', headers={'Cache-Control': 'no-cache'})
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try: await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
-            await self.body_iterator.aclose()
-
-async def _events(first: TextOut, gen: Generation, fmt: ResponseFormat, num_choices: int,
-                  calls: ToolCallStream | None = None) -> AsyncIterator[str]:   # a chat reply that may call tools
-    if fmt.kind == 'chat':
-        for i in range(num_choices): yield sse(fmt.role_chunk(i))
-    item, sent = first, 0
-    while True:
-        sent += 0 if fmt.echo_only else len(item.token_ids)        # completion tokens so far (continuous usage)
-        if calls is not None:
-            for chunk in calls.chunks(item, fmt): yield sse(chunk)
-        elif item.text or item.finish_reason is not None or item.logprobs or item.prompt_text or item.prompt_logprobs:
-            yield sse(fmt.chunk(item, gen.usage(sent)))              # held-back text (maybe a stop string) waits
-        if gen.finished: break
-        try: item = await gen.next()
-        except ApiError as e:
-            yield sse(e.body())
-            yield SSE_DONE
-            return
-    if fmt.include_usage: yield sse(fmt.usage_chunk(gen.usage(sent)))
-    yield SSE_DONE
-
-# %% ../../nbs/14e_frontend.ipynb #0308e82d
-def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_bytes: int = MAX_REQUEST_BYTES,
-              body_timeout: float = 30.0) -> FastAPI:
-    "The app behind its `RequestGuard`: OpenAI's routes, `/health`, `/metrics`, `/debug/state` (and `/debug/inject`)."
-    app = FastAPI(title='nanoserve', lifespan=frontend.lifespan)
-    app.add_middleware(RequestGuard, api_keys=api_keys, max_request_bytes=max_request_bytes, body_timeout=body_timeout)
-    app.add_middleware(CrashGuard)     # the outermost: whatever fails inside is one line in the log
-
-    @app.exception_handler(ApiError)
-    async def _api_error(request, exc: ApiError): return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, exc): return validation_error(exc).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request, exc):
-        response = ApiError(exc.status_code, str(exc.detail)).response()
-        response.headers.update(exc.headers or {})
-        return response
-
-    @app.get('/health')
-    async def health():
-        reason = frontend.unavailable()
-        if reason: return ApiError(503, reason).response()
-        return {'status': 'ok'}
-
-    @app.get('/v1/models')
-    async def models(): return {'object': 'list', 'data': [frontend.model_card()]}
-
-    @app.get('/v1/models/{model_id:path}')
-    async def model(model_id: str):
-        frontend.check_model(model_id)
-        return frontend.model_card()
-
-    @app.get('/metrics')
-    async def metrics():
-        from prometheus_client import CONTENT_TYPE_LATEST
-        return Response(frontend.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get('/debug/state')
-    async def debug_state():
-        return {'stats': frontend.stats, 'open_requests': len(frontend.routes), 'fatal': frontend.fatal,
-                'stalled': frontend.stalled, 'draining': frontend.drain_deadline is not None,
-                'pids': frontend.workers.pids() if frontend.workers else {}}
-
-    if frontend.debug_hooks:      # tests only: the route does not exist otherwise
-        @app.post('/debug/inject', include_in_schema=False)
-        async def debug_inject(request: Request):
-            "Faults for tests: `DebugReq` fields go to the scheduler; `watchdog_timeout` sets this process's watchdog."
-            try:
-                body = dict(await request.json())
-                if 'watchdog_timeout' in body: frontend.watchdog_timeout = float(body.pop('watchdog_timeout'))
-                msg = DebugReq(**body) if body else None
-            except (TypeError, ValueError) as e: raise ApiError(400, f'bad debug request: {e}') from None
-            if msg is not None: frontend.send(msg)
-            return {'sent': asdict(msg) if msg else None, 'watchdog_timeout': frontend.watchdog_timeout}
-
-    async def run(request: Request, body, reqs: list[GenerateReq], sp: SamplingParams, kind: str,
-                  tools: ToolCalling | None = None):
-        want_logprobs = body.logprobs if kind == 'chat' else body.logprobs is not None
-        options = body.stream_options
-        last = body.messages[-1] if kind == 'chat' and body.messages else {}
-        echoed = last.get('content') if kind == 'chat' and body.echo and last.get('role') == 'assistant' else None
-        fmt = ResponseFormat(kind, frontend.model_name, want_logprobs, bool(options and options.include_usage),
-                             body.return_tokens_as_token_ids, echo=kind == 'completion' and body.echo,
-                             echo_only=kind == 'completion' and body.echo_only,
-                             chat_prefix=echoed if isinstance(echoed, str) else '',
-                             prompt_logprobs=body.prompt_logprobs is not None,
-                             continuous_usage=bool(options and options.continuous_usage_stats))
-        gen = frontend.generate(reqs, sp.n, kind, body.stream)
-        try: first = await unless_disconnected(request, gen.next())   # errors before any token are plain HTTP errors
-        except ClientDisconnected:
-            gen.close()
-            return Response(status_code=499)
-        except BaseException:
-            gen.close()
-            raise
-        if body.stream:
-            calls = ToolCallStream(tools) if tools is not None and tools.active else None
-            return _EventStream(_events(first, gen, fmt, len(reqs) * sp.n, calls), gen.close)
-        try: items = [first] + await unless_disconnected(request, gen.rest())
-        except ClientDisconnected: return Response(status_code=499)
-        finally: gen.close()
-        choices = [Choice(i) for i in range(len(reqs) * sp.n)]
-        for item in items: choices[item.index].add(item)
-        if kind == 'completion' and sp.n > body.n: choices = top_choices(choices, sp.n, body.n)   # best_of
-        response = fmt.response(choices, gen.usage(0) if fmt.echo_only else gen.usage())
-        if tools is not None and tools.active:
-            for choice in response['choices']: tools.answer(choice)
-        return JSONResponse(response)     # already plain JSON: FastAPI's encoder would walk every prompt logprob again
-
-    @app.post('/v1/completions')
-    async def completions(body: CompletionRequest, request: Request):
-        frontend.check_model(body.model)
-        structured, grammar_field = structured_outputs_from(body)
-        sp = sampling_params_from(body, structured)
-        prompts = body.prompt      # a text or a token list, or a list of them
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)): prompts = [prompts]
-        if not prompts: raise ApiError(400, 'prompt: the prompt is empty', 'prompt')
-        if len(prompts) > MAX_PROMPTS:
-            raise ApiError(400, f'prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompts)}', 'prompt')
-        params, reqs = asdict(sp), []
-        for prompt in prompts:
-            text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
-            reqs.append(GenerateReq(f'cmpl-{uuid.uuid4().hex}', params, prompt=text, prompt_ids=ids, echo=body.echo,
-                                    grammar_field=grammar_field))
-        return await run(request, body, reqs, sp, 'completion')
-
-    @app.post('/v1/chat/completions')
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        frontend.check_model(body.model)
-        tools = ToolCalling(body.tools, body.tool_choice, body.parallel_tool_calls)
-        structured, grammar_field = structured_outputs_from(body)
-        tool_grammar = tools.structured_outputs()
-        if tool_grammar is not None:     # `required` or a named function: a grammar makes the call
-            if structured is not None:
-                message = f'{grammar_field} cannot be combined with tool_choice {quoted(tools.choice)}'
-                raise ApiError(400, message, grammar_field)
-            structured, grammar_field = tool_grammar, 'tool_choice'
-        sp = sampling_params_from(body, structured)
-        if not body.messages: raise ApiError(400, 'messages: at least one message is required', 'messages')
-        req = GenerateReq(f'chat-{uuid.uuid4().hex}', asdict(sp), messages=body.messages, tools=tools.template_tools,
-                          grammar_field=grammar_field, add_generation_prompt=body.add_generation_prompt,
-                          continue_final_message=body.continue_final_message)
-        return await run(request, body, [req], sp, 'chat', tools)
-
-    return app

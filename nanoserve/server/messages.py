@@ -10,9 +10,9 @@ import msgpack
 import zmq
 
 # %% auto #0
-__all__ = ['LOG_LEVELS', 'LOG_LEVEL_ENV', 'message', 'encode', 'decode', 'GenerateReq', 'AbortReq', 'ContextLength', 'DebugReq',
-           'TokenizedReq', 'TokenOut', 'ErrorOut', 'StepOut', 'TextOut', 'ReplyOut', 'open_socket', 'parent_alive',
-           'send', 'return_freed_memory', 'log']
+__all__ = ['LOG_LEVELS', 'LOG_LEVEL_ENV', 'message', 'encode', 'decode', 'GenerateReq', 'TokenizeReq', 'AbortReq',
+           'ContextLength', 'DebugReq', 'TokenizedReq', 'TokenOut', 'ErrorOut', 'StepOut', 'TextOut', 'TokenizeOut',
+           'ReplyOut', 'open_socket', 'parent_alive', 'send', 'return_freed_memory', 'log']
 
 # %% ../../nbs/14a_messages.ipynb #06efe8b5
 _MESSAGES: dict[str, type] = {}
@@ -55,6 +55,21 @@ class GenerateReq:
     echo: bool = False                    # send the prompt's text back with the first output of each choice
     tools: list[dict] | None = None       # the tools the chat template shows the model
     grammar_field: str | None = None      # the request's field its structured outputs came from (a 400 names it)
+    chat_template_kwargs: dict | None = None   # chat: more variables for the template (`enable_thinking`, ...)
+
+@message
+class TokenizeReq:
+    "API server -> tokenizer: a prompt or chat messages to token ids, or `tokens` to text; nothing is generated."
+    rid: str
+    prompt: str | None = None
+    messages: list[dict] | None = None      # rendered with the chat template, as `GenerateReq`'s
+    tools: list[dict] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    add_special_tokens: bool = True         # a prompt's: the tokenizer's BOS and the like, as generation adds them
+    tokens: list[int] | None = None         # to detokenize
+    token_strs: bool = False                # each token's text too
 
 @message
 class AbortReq:
@@ -127,11 +142,20 @@ class TextOut:
     prompt_text: str | None = None        # with a choice's first text, when the request echoes its prompt
     prompt_logprobs: list | None = None   # with a choice's first text, when asked: per prompt token [id, token string,
                                           # logprob, [[top id, top string, logprob], ...]], the first logprob None
+    reasoning: str = ''                   # the delta of the model's thinking (`--reasoning-parser`); `text` is its answer
+
+@message
+class TokenizeOut:
+    "Tokenizer -> API server: the answer to a `TokenizeReq`."
+    rid: str
+    tokens: list[int] | None = None
+    token_strs: list[str] | None = None
+    text: str | None = None
 
 @message
 class ReplyOut:
     "Detokenizer -> API server: text deltas, errors and the scheduler's counters."
-    outputs: list = field(default_factory=list)   # TextOut
+    outputs: list = field(default_factory=list)   # TextOut, TokenizeOut
     errors: list = field(default_factory=list)    # ErrorOut
     stats: dict | None = None
     fatal: str | None = None

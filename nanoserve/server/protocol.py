@@ -179,6 +179,7 @@ class ChatCompletionRequest(_SamplingRequest):
     echo: bool = False                     # the reply starts with the last message's content, if it is the assistant's
     add_generation_prompt: bool = True     # open the assistant's turn after the messages
     continue_final_message: bool = False   # leave the last message open: the reply continues it
+    chat_template_kwargs: dict[str, Any] | None = None   # more variables for the chat template: enable_thinking, ...
 
 # %% ../../nbs/14b_protocol.ipynb #bc913fe7
 MAX_N, MAX_PROMPTS = 128, 2048
@@ -480,6 +481,7 @@ class ToolCallStream:
     def chunks(self, out: TextOut, fmt: ResponseFormat) -> list[dict]:
         "The chat chunks for one `TextOut` of the reply: its deltas, then, if it finished, the finish reason."
         deltas, called = self.deltas(out.index, out.text, out.finish_reason is not None, out.finish_reason == 'length')
+        if out.reasoning: deltas.insert(0, {'reasoning_content': out.reasoning})   # the thinking is never a call
         last = fmt.chunk(out)           # the chunk it would have been: its head, finish reason and logprobs
         chunks = []
         for delta in deltas:
@@ -534,11 +536,13 @@ class Choice:
     stop_reason: str | int | None = None
     prompt_text: str | None = None          # the echoed prompt
     prompt_logprobs: list | None = None     # per prompt token, as `TextOut.prompt_logprobs`
+    reasoning: str = ''                     # the model's thinking, apart from `text` (a reasoning parser's)
 
     def add(self, out: TextOut):
         if out.prompt_text is not None: self.prompt_text = out.prompt_text
         if out.prompt_logprobs is not None: self.prompt_logprobs = out.prompt_logprobs
         self.text += out.text
+        self.reasoning += out.reasoning
         self.token_ids += out.token_ids
         if out.logprobs: self.logprobs += out.logprobs
         if out.finish_reason is not None: self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
@@ -624,7 +628,9 @@ class ResponseFormat:
         if finish is not None: choice['stop_reason'] = stop_reason
         if self.want_prompt_logprobs and out.prompt_logprobs is not None:
             choice['prompt_logprobs'] = self.vllm_prompt_logprobs(out.prompt_logprobs)
-        if self.kind == 'chat': choice['delta'] = {'content': text} if text else {}
+        if self.kind == 'chat':
+            choice['delta'] = {'reasoning_content': out.reasoning} if out.reasoning else {}
+            if text: choice['delta']['content'] = text
         else: choice['text'] = text
         chunk = {**self._head(self._chunk_object), 'choices': [choice]}
         if self.continuous_usage and usage is not None: chunk['usage'] = usage
@@ -642,6 +648,7 @@ class ResponseFormat:
             choice = {'index': c.index, 'logprobs': self.logprobs(entries), 'finish_reason': finish,
                       'stop_reason': stop_reason}
             if self.kind == 'chat': choice['message'] = {'role': 'assistant', 'content': self.chat_prefix + text}
+            if self.kind == 'chat' and c.reasoning: choice['message']['reasoning_content'] = c.reasoning
             else: choice['text'] = text
             if self.want_prompt_logprobs and self.kind == 'completion':
                 choice['prompt_logprobs'] = self.vllm_prompt_logprobs(c.prompt_logprobs)

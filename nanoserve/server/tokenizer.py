@@ -10,12 +10,13 @@ from typing import Any
 import zmq
 from ..req import SamplingParams, shortened
 from .messages import (
-    AbortReq, ContextLength, DebugReq, ErrorOut, GenerateReq, ReplyOut, StepOut, TextOut, TokenizedReq, TokenOut,
-    decode, log, open_socket, parent_alive, return_freed_memory, send)
+    AbortReq, ContextLength, DebugReq, ErrorOut, GenerateReq, ReplyOut, StepOut, TextOut, TokenizedReq, TokenizeOut,
+    TokenizeReq, TokenOut, decode, log, open_socket, parent_alive, return_freed_memory, send)
 from .protocol import error_from_value
 
 # %% auto #0
-__all__ = ['max_token_chars', 'TokenizerWorker', 'run_tokenizer_process']
+__all__ = ['REASONING_PARSERS', 'max_token_chars', 'ReasoningSplitter', 'template_kwargs', 'TokenizerWorker',
+           'run_tokenizer_process']
 
 # %% ../../nbs/14c_tokenizer.ipynb #99b025fc
 def _text_content(content) -> str:
@@ -60,16 +61,66 @@ def max_token_chars(tokenizer) -> int:
     backend = getattr(tokenizer, 'backend_tokenizer', None)     # a fast tokenizer says whether it normalizes
     return longest if backend is not None and backend.normalizer is None else 2 * longest
 
+# %% ../../nbs/14c_tokenizer.ipynb #c7a3ab22
+REASONING_PARSERS = ('deepseek_r1', 'qwen3')   # `--reasoning-parser`: where a reply's thinking starts
+
+class ReasoningSplitter:
+    "One choice's text, split as it streams into the model's thinking (in `<think>...</think>`) and its answer."
+    START, END = '<think>', '</think>'
+
+    def __init__(self, parser: str):
+        if parser not in REASONING_PARSERS:
+            raise ValueError(f'reasoning_parser: one of {", ".join(REASONING_PARSERS)}, got {parser!r}')
+        self.thinking = parser == 'deepseek_r1'   # R1's template opens the thought in the prompt: the reply is in it
+        self.at_start = True                       # a `<think>` here opens the thought (and is dropped)
+        self.held = ''                             # text that may be the start of a tag, until more comes
+
+    def split(self, text: str, final: bool = False) -> tuple[str, str]:
+        "The thinking and the answer in `text`, the next delta; a possible tag's start is held back unless `final`."
+        text, self.held = self.held + text, ''
+        if self.at_start:
+            stripped = text.lstrip()
+            if self.START.startswith(stripped) and not final and len(stripped) < len(self.START):
+                self.held = text
+                return '', ''
+            self.at_start = False
+            if stripped.startswith(self.START): text, self.thinking = stripped[len(self.START):], True
+        if not self.thinking: return '', text
+        end = text.find(self.END)
+        if end >= 0:
+            self.thinking = False
+            return text[:end], text[end + len(self.END):]
+        keep = 0 if final else next((k for k in range(len(self.END) - 1, 0, -1) if text.endswith(self.END[:k])), 0)
+        self.held = text[len(text) - keep:] if keep else ''
+        return text[:len(text) - keep], ''
+
 # %% ../../nbs/14c_tokenizer.ipynb #19a92797
+_TEMPLATE_ARGUMENTS = ('conversation', 'messages', 'tools', 'documents', 'chat_template', 'add_generation_prompt',
+                       'continue_final_message', 'tokenize', 'padding', 'truncation', 'max_length', 'return_tensors',
+                       'return_dict', 'return_assistant_tokens_mask', 'tokenizer_kwargs')   # apply_chat_template's own
+
+def template_kwargs(kwargs: Any) -> dict:
+    "A request's `chat_template_kwargs`, checked: an object that sets none of `apply_chat_template`'s own arguments."
+    if kwargs is None: return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(key, str) for key in kwargs):
+        raise ValueError('chat_template_kwargs: must be an object')
+    taken = sorted(set(kwargs) & set(_TEMPLATE_ARGUMENTS))
+    if taken: raise ValueError(f'chat_template_kwargs: {", ".join(taken)} cannot be set here (a request field does it)')
+    return kwargs
+
 class _TokenizerIn:
     "The tokenizer process's way in: prompts and chat messages to token ids, and the state each request keeps."
     def __init__(self, tokenizer, chat_template: str | None = None,
-                 debug_hooks: bool = False):          # obey `DebugReq.fail_detokenize` (tests only)
+                 debug_hooks: bool = False,           # obey `DebugReq.fail_detokenize` (tests only)
+                 reasoning_parser: str | None = None):   # split chat replies' thinking from their answer
         from nanoserve.llm import ChatTokenizer, IncrementalDetokenizer   # here: the API process never loads torch
         self._detokenizer = IncrementalDetokenizer
         self.chat_tokenizer = ChatTokenizer(tokenizer)
         self.tokenizer, self.chat_template, self.debug_hooks = tokenizer, chat_template, debug_hooks
+        if reasoning_parser is not None: ReasoningSplitter(reasoning_parser)   # a name it knows, or ValueError
+        self.reasoning_parser = reasoning_parser
         self.detoks: dict[tuple[str, int], Any] = {}   # (rid, choice) -> its IncrementalDetokenizer
+        self.splitters: dict[tuple[str, int], ReasoningSplitter] = {}   # (rid, choice) of a chat reply -> its splitter
         self.params: dict[str, SamplingParams] = {}
         self.prompts: dict[str, tuple[list[int], str | None]] = {}   # rid -> its prompt ids, and its text if echoed
         self._token_strs: dict[int, str] = {}
@@ -80,17 +131,18 @@ class _TokenizerIn:
         self.max_model_len: int | None = None          # from `ContextLength`; None: prompts are not bounded here
 
     def chat_text(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
-                  continue_final_message: bool = False) -> tuple[str, dict[str, str]]:
+                  continue_final_message: bool = False,
+                  kwargs: dict | None = None) -> tuple[str, dict[str, str]]:   # the template's other variables
         "A conversation as prompt text, the client's special-token texts hidden behind markers (`ChatTokenizer`)."
         from nanoserve.llm import checked_messages
         messages = checked_messages(messages)
         conversation = [dict(m, content=_text_content(m.get('content')), **_calls_as_objects(m)) for m in messages]
-        (conversation, tools), hidden = self.chat_tokenizer.hide((conversation, tools))
+        (conversation, tools, kwargs), hidden = self.chat_tokenizer.hide((conversation, tools, kwargs or {}))
         def render(conversation, tools=None):
             return self.tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False,
                                                       add_generation_prompt=add_generation_prompt,
                                                       continue_final_message=continue_final_message,
-                                                      chat_template=self.chat_template)
+                                                      chat_template=self.chat_template, **kwargs)
         if any(m.get('tool_calls') for m in conversation):
             without_calls = [{k: v for k, v in m.items() if k != 'tool_calls'} for m in conversation]
             if render(without_calls) == render(conversation):   # the template drops calls: show them as taught
@@ -107,24 +159,36 @@ class _TokenizerIn:
                 f'{len(text)} characters, more than {self.max_model_len} tokens can hold (a token of this model '
                 f'stands for at most {self.max_token_chars} characters). Please reduce the length of the prompt.')
 
-    def tokenize(self, msg: GenerateReq) -> TokenizedReq | ErrorOut:
-        "Tokenize one request, or say why it cannot be; a text too long for the context is refused untokenized."
+    def prompt_ids(self, msg: GenerateReq | TokenizeReq) -> list[int] | ErrorOut:
+        "A request's prompt as token ids (messages through the chat template), or why it cannot be."
         param = 'messages' if msg.messages is not None else 'prompt'
+        try: kwargs = template_kwargs(msg.chat_template_kwargs)
+        except ValueError as e: return ErrorOut(msg.rid, str(e), 400, 'chat_template_kwargs')
         try:
             if msg.messages is None: text, hidden = msg.prompt, {}
             else: text, hidden = self.chat_text(msg.messages, msg.tools, msg.add_generation_prompt,
-                                                msg.continue_final_message)
+                                                msg.continue_final_message, kwargs)
             if text is not None and (why := self.too_long(self.chat_tokenizer.restored(text, hidden))):
                 return error_from_value(msg.rid, ValueError(why))
-            if text is None: ids = [int(t) for t in msg.prompt_ids or []]
-            elif msg.messages is None: ids = self.tokenizer(text).input_ids
-            else: ids = self.chat_tokenizer.ids(text, hidden)
-            sp = SamplingParams(**msg.params)
-            if sp.bad_words: sp.tokenize_bad_words(self.tokenizer)
+            if text is None: return [int(t) for t in getattr(msg, 'prompt_ids', None) or []]
+            if msg.messages is not None: return self.chat_tokenizer.ids(text, hidden)
+            return self.tokenizer(text, add_special_tokens=getattr(msg, 'add_special_tokens', True)).input_ids
         except Exception as e:   # template errors come as jinja2 or ValueError; all are the request's fault
             why = shortened(str(e))
             return ErrorOut(msg.rid, why if why.startswith(param) else f'{param}: {why}', 400, param)
+
+    def tokenize(self, msg: GenerateReq) -> TokenizedReq | ErrorOut:
+        "Tokenize one request, or say why it cannot be; a text too long for the context is refused untokenized."
+        ids = self.prompt_ids(msg)
+        if isinstance(ids, ErrorOut): return ids
+        param = 'messages' if msg.messages is not None else 'prompt'
         if not ids: return ErrorOut(msg.rid, f'{param}: the prompt is empty', 400, param)
+        try:
+            sp = SamplingParams(**msg.params)
+            if sp.bad_words: sp.tokenize_bad_words(self.tokenizer)
+        except Exception as e:
+            why = shortened(str(e))
+            return ErrorOut(msg.rid, why if why.startswith(param) else f'{param}: {why}', 400, param)
         if sp.structured_outputs is not None:   # the grammar library checks the schema, regex or grammar (chapter 09a)
             from nanoserve.structured import build_grammar    # here, not at the top: the API process never loads torch
             field = msg.grammar_field or 'structured_outputs'
@@ -137,15 +201,31 @@ class _TokenizerIn:
             self.prompts[msg.rid] = (ids, echoed)
         if self._fail_next is not None:
             self._failing[msg.rid], self._fail_next = self._fail_next, None
-        for k in range(sp.n): self.detoks[(msg.rid, k)] = self._detokenizer(self.tokenizer, ids, sp)
+        for k in range(sp.n):
+            self.detoks[(msg.rid, k)] = self._detokenizer(self.tokenizer, ids, sp)
+            if self.reasoning_parser and msg.messages is not None:
+                self.splitters[(msg.rid, k)] = ReasoningSplitter(self.reasoning_parser)
         params = msg.params
         if sp.bad_words: params = dict(msg.params, bad_words_token_ids=[list(s) for s in sp.bad_words_token_ids])
         return TokenizedReq(msg.rid, ids, params)
+
+    def lookup(self, msg: TokenizeReq) -> TokenizeOut | ErrorOut:
+        "`/tokenize` (a prompt, or messages rendered as generation renders them) or `/detokenize` (`tokens`)."
+        if msg.tokens is None:
+            ids = self.prompt_ids(msg)
+            if isinstance(ids, ErrorOut): return ids
+            strs = [self.tokenizer.convert_ids_to_tokens(i) for i in ids] if msg.token_strs else None
+            return TokenizeOut(msg.rid, tokens=ids, token_strs=strs)
+        vocab = len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in msg.tokens):
+            return ErrorOut(msg.rid, f'tokens: each token id must be in [0, {vocab})', 400, 'tokens')
+        return TokenizeOut(msg.rid, text=self.tokenizer.decode(msg.tokens))
 
     def forget(self, rid: str, index: int = -1):
         "Drop the state of a request (or of one of its choices)."
         for key in [k for k in self.detoks if k[0] == rid and index in (-1, k[1])]:
             del self.detoks[key]
+            self.splitters.pop(key, None)
             self.prompt_entries.pop(key, None)
         if any(k[0] == rid for k in self.detoks): return
         self.params.pop(rid, None)
@@ -155,6 +235,7 @@ class _TokenizerIn:
     def debug(self, msg: DebugReq):
         "Apply an injected fault meant for this process; ignored unless the worker was made with `debug_hooks`."
         if self.debug_hooks and msg.fail_detokenize is not None: self._fail_next = msg.fail_detokenize
+
 
 # %% ../../nbs/14c_tokenizer.ipynb #e9456bf6
 class TokenizerWorker(_TokenizerIn):
@@ -208,11 +289,14 @@ class TokenizerWorker(_TokenizerIn):
             token_ids = token_ids[:detok.num_tokens - before]
         elif finish == 'stop' and t.token_ids and t.token_ids[-1] in self.params[t.rid].stop_token_ids:
             stop_reason = t.token_ids[-1]
+        reasoning, splitter = '', self.splitters.get((t.rid, t.index))
+        if splitter is not None: reasoning, text = splitter.split(text, final=finish is not None)
         logprobs = None
         if t.logprobs is not None:
             logprobs = [self._logprob_entry(token, logprob, top)
                         for token, (logprob, top) in zip(token_ids, t.logprobs)]
-        out = TextOut(t.rid, t.index, text, token_ids, logprobs, finish, stop_reason, t.prompt_len, t.cached_len)
+        out = TextOut(t.rid, t.index, text, token_ids, logprobs, finish, stop_reason, t.prompt_len, t.cached_len,
+                      reasoning=reasoning)
         if first and t.rid in self.prompts: self.add_prompt(out, t)
         return out
 
@@ -235,11 +319,11 @@ class TokenizerWorker(_TokenizerIn):
 # %% ../../nbs/14c_tokenizer.ipynb #c3a7e3af
 def run_tokenizer_process(ready: Connection,        # says 'ready' (with its pid, `max_token_chars`) once listening
                           parent_pid: int, path: str, ipc: dict[str, str], chat_template: str | None = None,
-                          debug_hooks: bool = False):
+                          debug_hooks: bool = False, reasoning_parser: str | None = None):
     "The tokenizer process: tokenize requests on their way in, detokenize tokens on their way out."
     from transformers import AutoTokenizer
     return_freed_memory()          # a refused 20 MB prompt leaves nothing behind (chapter 14a)
-    worker = TokenizerWorker(AutoTokenizer.from_pretrained(path), chat_template, debug_hooks)
+    worker = TokenizerWorker(AutoTokenizer.from_pretrained(path), chat_template, debug_hooks, reasoning_parser)
     ctx = zmq.Context()
     inbox = open_socket(ctx, zmq.PULL, bind=ipc['tokenizer'])
     from_scheduler = open_socket(ctx, zmq.PULL, bind=ipc['detokenizer'])
@@ -256,6 +340,10 @@ def run_tokenizer_process(ready: Connection,        # says 'ready' (with its pid
                 tokenized = worker.tokenize(msg)
                 if isinstance(tokenized, ErrorOut): send(to_api, ReplyOut(errors=[tokenized]), parent_pid)
                 else: send(to_scheduler, tokenized, parent_pid)
+            elif isinstance(msg, TokenizeReq):
+                answer = worker.lookup(msg)
+                reply = ReplyOut(errors=[answer]) if isinstance(answer, ErrorOut) else ReplyOut(outputs=[answer])
+                send(to_api, reply, parent_pid)
             elif isinstance(msg, AbortReq):
                 worker.forget(msg.rid, msg.index)
                 send(to_scheduler, msg, parent_pid)
