@@ -88,7 +88,7 @@ def _replica_flags(p: argparse.ArgumentParser):
 _REPLICA_OPTIONS = ('data_parallel_size', 'ray_address', 'min_replicas', 'max_replicas', 'routing')
 _SERVE_OPTIONS = ('drain_timeout', 'watchdog_timeout', 'integrity_check', 'api_key', 'ssl_keyfile', 'ssl_certfile',
                   'root_path', 'max_request_bytes', 'body_timeout', 'timeout_keep_alive', 'limit_concurrency',
-                  'stream_backlog')
+                  'stream_backlog', 'reasoning_parser')
 
 def _generate_flags(p: argparse.ArgumentParser):
     _model_flags(p, sampling=True)
@@ -111,6 +111,10 @@ def _serve_flags(p: argparse.ArgumentParser):
     p.add_argument('--integrity-check', choices=('warn', 'raise'), default=None,
                    help="what a failed idle check of the page bookkeeping does: 'warn' (log, count in /metrics) or "
                         "'raise' (stop the server) (default: $NANOSERVE_INTEGRITY_CHECK or warn)")
+    from nanoserve.server.tokenizer import REASONING_PARSERS
+    p.add_argument('--reasoning-parser', choices=REASONING_PARSERS, default=None,
+                   help="split chat replies' thinking (<think>...</think>) into reasoning_content: 'qwen3' for "
+                        "models that open the thought themselves, 'deepseek_r1' for templates that open it (default: off)")
     _access_flags(p)
     _replica_flags(p)
 

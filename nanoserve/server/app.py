@@ -141,7 +141,7 @@ def chat_reqs(body: ChatCompletionRequest) -> tuple[list[GenerateReq], SamplingP
     return [req], sp, tools
 
 async def chat_reply(frontend: Frontend, request: Request, body: ChatCompletionRequest) -> dict | ReplyStream | Response:
-    "A chat completion as `openai_reply` gives it: the seam the other APIs (chapters 14f and 14g) go through."
+    "A chat completion as `openai_reply` gives it: the seam the other APIs (chapters 14g and 14h) go through."
     frontend.check_model(body.model)
     reqs, sp, tools = chat_reqs(body)
     return await openai_reply(frontend, request, body, reqs, sp, 'chat', tools)
@@ -157,7 +157,7 @@ RouteInstaller = Callable[[FastAPI, Frontend], None]   # adds one API's routes t
 
 def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_bytes: int = MAX_REQUEST_BYTES,
               body_timeout: float = 30.0,
-              routes: Sequence[RouteInstaller] = ()) -> FastAPI:   # more APIs' routes (chapters 14f to 14i)
+              routes: Sequence[RouteInstaller] = ()) -> FastAPI:   # more APIs' routes (chapters 14g to 14j)
     "The app behind its guards: OpenAI's routes, `/health`, `/metrics`, `/debug/state` (`/debug/inject`), `routes`."
     app = FastAPI(title='nanoserve', lifespan=frontend.lifespan)
     app.state.open_paths, app.state.error_shapes = set(OPEN_PATHS), {}   # what `routes` may add to

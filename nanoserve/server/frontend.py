@@ -301,14 +301,14 @@ class _Answer:
         if not self.future.done(): self.future.set_result(item)
 
 class WorkerPool(Protocol):
-    "What `Frontend` watches of the worker processes (chapter 14j's `Workers`): the first to exit, and their pids."
+    "What `Frontend` watches of the worker processes (chapter 14k's `Workers`): the first to exit, and their pids."
     def dead(self) -> tuple[str, int] | None: ...
     def pids(self) -> dict[str, int]: ...
 
 class Frontend(_FrontendTasks):
     "The API server's side of the processes: sends requests, routes replies, watches the workers and the scheduler."
     def __init__(self, model_name: str, ipc: dict[str, str], info: dict | None = None,
-                 workers: WorkerPool | None = None, # the worker processes, watched for an exit (chapter 14j)
+                 workers: WorkerPool | None = None, # the worker processes, watched for an exit (chapter 14k)
                  watchdog_timeout: float = 60.0,    # no scheduler progress this long, requests open: 503s; 0: off
                  debug_hooks: bool = False,         # serve `POST /debug/inject` (tests only)
                  stream_backlog: int = 1024):       # tokens per choice a stream's client may leave unread, then dropped
@@ -369,7 +369,7 @@ class Frontend(_FrontendTasks):
         return gen
 
     async def lookup(self, msg: TokenizeReq) -> TokenizeOut:
-        "Ask the tokenizer process (`/tokenize`, `/detokenize`, chapter 14h): its answer, or its refusal as `ApiError`."
+        "Ask the tokenizer process (`/tokenize`, `/detokenize`, chapter 14i): its answer, or its refusal as `ApiError`."
         reason = self.unavailable()
         if reason: raise ApiError(503, reason)
         answer = _Answer(asyncio.get_running_loop().create_future())
@@ -397,7 +397,7 @@ MAX_REQUEST_BYTES = 32 * 2**20          # 32 MiB: the largest body the server re
 OPEN_PATHS = ('/health', '/metrics')    # served without an API key (a route chapter may open more: the playground)
 COLLECT_AFTER_BYTES = 2**20             # a refused body this large is freed at once, not at the next collection
 
-ErrorShape = Callable[[ApiError], Response]   # an API's own error envelope (Anthropic's, chapter 14g)
+ErrorShape = Callable[[ApiError], Response]   # an API's own error envelope (Anthropic's, chapter 14h)
 
 def _digest(key: bytes) -> bytes: return hashlib.sha256(key).digest()
 
