@@ -13,10 +13,10 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
-from .server.messages import AbortReq, ErrorOut, GenerateReq, log
+from .server.messages import AbortReq, ErrorOut, GenerateReq, TokenizeOut, TokenizeReq, log
 from .server.protocol import ApiError
 from .server.frontend import MAX_REQUEST_BYTES, Frontend, Generation, ServerMetrics
-from .server.launch import Workers, api_keys, http_server
+from .server.launch import Workers, api_keys, api_routes, http_server
 from .cli import RAY_LOOPBACK_ENV, is_loopback
 from .bench import Workload
 
@@ -140,11 +140,12 @@ def serve_grpc_on_loopback():
 class EngineReplica:
     "One engine replica (a Ray Serve deployment): the server's tokenizer and scheduler processes, and 14e's `Frontend`."
     async def __init__(self, path: str, engine_kwargs: dict, model_name: str, chat_template: str | None = None,
-                       watchdog_timeout: float = 60.0, integrity_check: str | None = None):
+                       watchdog_timeout: float = 60.0, integrity_check: str | None = None,
+                       reasoning_parser: str | None = None):
         if is_loopback(ray.util.get_node_ip_address()): serve_grpc_on_loopback()   # a cluster on loopback only
         gpus = await placement_gpu_ids()
         if gpus: os.environ['CUDA_VISIBLE_DEVICES'] = ','.join(gpus)   # the ranks' processes see the group's GPUs
-        self.workers = Workers(path, engine_kwargs, chat_template, integrity_check)
+        self.workers = Workers(path, engine_kwargs, chat_template, integrity_check, reasoning_parser=reasoning_parser)
         info = await asyncio.to_thread(self.workers.start)
         self.frontend = Frontend(model_name, self.workers.ipc, info, self.workers, watchdog_timeout)
         self._running = AsyncExitStack()
@@ -166,6 +167,11 @@ class EngineReplica:
         except ApiError as e: yield [ErrorOut(req.rid, e.message, e.status, e.param, e.code)]
         finally:
             if gen is not None: gen.close()    # cancelled (the client left): abort it in the scheduler
+
+    async def lookup(self, msg: TokenizeReq) -> TokenizeOut | ErrorOut:
+        "`/tokenize` or `/detokenize` (chapter 14i), by this replica's tokenizer; a refusal as an `ErrorOut`."
+        try: return await self.frontend.lookup(msg)
+        except ApiError as e: return ErrorOut(msg.rid, e.message, e.status, e.param, e.code)
 
     def record_routing_stats(self) -> dict:
         "What Ray Serve hands the routers every period: its processes, why it cannot serve, its metrics."
@@ -280,6 +286,14 @@ class ReplicaFrontend(Frontend):
             self._relays[req.rid] = asyncio.create_task(self._relay(req, n, kind, gen), context=contextvars.Context())
         return gen
 
+    async def lookup(self, msg: TokenizeReq) -> TokenizeOut:
+        "`/tokenize` or `/detokenize`: any replica answers (they all load the model's tokenizer)."
+        reason = self.unavailable()
+        if reason: raise ApiError(503, reason)
+        answer = await self.engine.lookup.remote(msg)
+        if isinstance(answer, ErrorOut): raise ApiError(answer.status, answer.message, answer.param, answer.code)
+        return answer
+
     async def _relay(self, req: GenerateReq, n: int, kind: str, gen: Generation):
         "Feed one prompt's replies to its generation; a replica that dies under it is a 503, not a hang."
         call = self.engine.options(stream=True).generate.remote(req, n, kind)
@@ -318,7 +332,7 @@ def replica_scaling(num_replicas: int = 1, min_replicas: int | None = None, max_
 
 def replica_app(path: str, model_name: str, engine_kwargs: dict, routing: str = 'prefix', gpus: bool = False,
                 scaling: dict | None = None, chat_template: str | None = None, watchdog_timeout: float = 60.0,
-                integrity_check: str | None = None, drain_timeout: float = 20.0):
+                integrity_check: str | None = None, drain_timeout: float = 20.0, reasoning_parser: str | None = None):
     "The Ray Serve application: the engine replicas, whose handle the endpoint calls."
     if routing not in ROUTINGS: raise ValueError(f'routing must be one of {ROUTINGS}, got {routing!r}')
     router = dict(request_router_class=PrefixAwareRouter) if routing == 'prefix' else {}
@@ -327,7 +341,7 @@ def replica_app(path: str, model_name: str, engine_kwargs: dict, routing: str = 
         name='engine', max_ongoing_requests=1024, health_check_period_s=2.0, graceful_shutdown_timeout_s=drain_timeout,
         request_router_config=RequestRouterConfig(request_routing_stats_period_s=1.0, **router), logging_config=quiet,
         **(scaling or {}), **replica_resources(engine_kwargs.get('tensor_parallel_size', 1), gpus))
-    return engine.bind(path, engine_kwargs, model_name, chat_template, watchdog_timeout, integrity_check)
+    return engine.bind(path, engine_kwargs, model_name, chat_template, watchdog_timeout, integrity_check, reasoning_parser)
 
 # %% ../nbs/17_replicas.ipynb #e17a0026
 def _raise_interrupt(signum, frame): raise KeyboardInterrupt
@@ -344,7 +358,7 @@ def serve_replicas(model: str, host: str = '127.0.0.1', port: int = 8000, served
                    watchdog_timeout: float = 60.0, integrity_check: str | None = None, drain_timeout: float = 20.0,
                    ssl_keyfile: str | None = None, ssl_certfile: str | None = None, root_path: str = '',
                    timeout_keep_alive: float = 5.0, limit_concurrency: int | None = None, log_level: str = 'warning',
-                   **engine_kwargs):
+                   reasoning_parser: str | None = None, ui: bool = True, **engine_kwargs):
     "Serve `model` with OpenAI's API at http://host:port from engine replicas on Ray Serve, until Ctrl-C or SIGTERM."
     path, name = os.path.expanduser(model), served_model_name or model
     scaling = replica_scaling(data_parallel_size, min_replicas, max_replicas, target_ongoing_requests)
@@ -362,12 +376,12 @@ def serve_replicas(model: str, host: str = '127.0.0.1', port: int = 8000, served
         gpus = engine_kwargs.get('device', 'auto') != 'cpu' and ray.cluster_resources().get('GPU', 0) > 0
         serve.start(http_options=dict(location='NoServer'))    # no Ray Serve proxy: the HTTP front door is 14k's
         app = replica_app(path, name, engine_kwargs, routing, gpus, scaling, chat_template, watchdog_timeout,
-                          integrity_check, drain_timeout)
+                          integrity_check, drain_timeout, reasoning_parser)
         log(f'starting {data_parallel_size} engine replica(s) of {name} on Ray Serve ({routing} routing)')
         engine = serve.run(app, name=APP_NAME, route_prefix=None)
         frontend = ReplicaFrontend(name, engine, stream_backlog)
         http_server(frontend, api_keys(api_key), host, port, log_level, drain_timeout, max_request_bytes, body_timeout,
-                    timeout_keep_alive, limit_concurrency, ssl_keyfile, ssl_certfile, root_path).run()
+                    timeout_keep_alive, limit_concurrency, ssl_keyfile, ssl_certfile, root_path, api_routes(ui)).run()
     except KeyboardInterrupt: pass
     finally:
         if ray_address is None: serve.shutdown()

@@ -73,6 +73,21 @@ def test_no_exported_cell_over_150_lines():
     long = long_exported_cells()
     assert not long, f'exported cells over {MAX_EXPORTED_LINES} lines:\n' + '\n'.join(long)
 
+MAX_SERVER_MODULE_LINES = 700   # the server's seams stay small enough to read: a new API gets a module of its own
+
+def test_no_server_module_over_700_lines():
+    long = [f'{m.name}: {n} lines' for m in sorted((ROOT / 'nanoserve' / 'server').glob('*.py'))
+            if (n := len(m.read_text().splitlines())) > MAX_SERVER_MODULE_LINES]
+    assert not long, f'server modules over {MAX_SERVER_MODULE_LINES} lines:\n' + '\n'.join(long)
+
+def test_server_seams_import_only_earlier_seams():
+    "Each server module imports only the seams before it (chapter order): the frontend never imports the launch."
+    from nanoserve.server import _SEAMS
+    for k, seam in enumerate(_SEAMS):
+        text = (ROOT / 'nanoserve' / 'server' / f'{seam}.py').read_text()
+        later = [s for s in _SEAMS[k + 1:] if re.search(rf'\bfrom (?:nanoserve\.server)?\.{s} import', text)]
+        assert not later, f'server.{seam} imports later seams: {later}'
+
 def test_package_is_pyflakes_clean():
     pytest.importorskip('pyflakes')
     r = subprocess.run([sys.executable, '-m', 'pyflakes', str(ROOT / 'nanoserve')], capture_output=True, text=True)

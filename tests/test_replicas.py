@@ -135,6 +135,17 @@ def test_follow_ups_find_their_prefix_cached(server, client):
     follow_up = chat('Who wrote it?')
     assert follow_up.prompt_tokens_details.cached_tokens >= 0.8 * follow_up.prompt_tokens, follow_up
 
+def test_tokenize_through_a_replica(server, model_dir):
+    "`/tokenize` and `/detokenize` (chapter 14i) are answered by a replica's tokenizer: the HF tokenizer's ids."
+    from transformers import AutoTokenizer
+    tok, headers = AutoTokenizer.from_pretrained(model_dir), {'Authorization': f'Bearer {KEY}'}
+    r = httpx.post(server.url + '/tokenize', json={'prompt': PROMPTS[0]}, headers=headers, timeout=60).json()
+    assert r['tokens'] == tok(PROMPTS[0]).input_ids
+    text = httpx.post(server.url + '/detokenize', json={'tokens': r['tokens'][1:]}, headers=headers, timeout=60).json()
+    assert text == {'prompt': PROMPTS[0]}
+    refused = httpx.post(server.url + '/detokenize', json={'tokens': [10**6]}, headers=headers, timeout=60)
+    assert refused.status_code == 400 and refused.json()['error']['param'] == 'tokens'
+
 def test_error_envelope(server, client):
     def envelope(r: httpx.Response) -> dict:
         body = r.json()
