@@ -17,7 +17,7 @@ from .protocol import (
     MAX_PROMPTS, SSE_DONE, ApiError, ChatCompletionRequest, Choice, CompletionRequest, ResponseFormat, ToolCallStream,
     ToolCalling, sampling_params_from, sse, structured_outputs_from, top_choices, validation_error)
 from .frontend import (
-    MAX_REQUEST_BYTES, OPEN_PATHS, ClientDisconnected, CrashGuard, Frontend, Generation, RequestGuard, _route_path,
+    MAX_REQUEST_BYTES, OPEN_PATHS, ClientDisconnected, CrashGuard, Frontend, Generation, RequestGuard, route_path,
     error_response, unless_disconnected)
 
 # %% auto #0
@@ -37,6 +37,11 @@ class EventStream(StreamingResponse):
             self.on_close()
             await self.body_iterator.aclose()
 
+def _has_news(item: TextOut) -> bool:
+    "Whether a reply holds anything for the client: text, thinking, a finish, logprobs, the echoed prompt."
+    return bool(item.text or item.reasoning or item.finish_reason is not None or item.logprobs or item.prompt_text
+                or item.prompt_logprobs)
+
 class ReplyStream:
     "A streamed reply as OpenAI's chunks (dicts), as they come; an `ApiError` last if it fails. `close` ends it."
     def __init__(self, first: TextOut, gen: Generation, fmt: ResponseFormat, num_choices: int,
@@ -52,9 +57,7 @@ class ReplyStream:
             sent += 0 if fmt.echo_only else len(item.token_ids)        # completion tokens so far (continuous usage)
             if self.calls is not None:
                 for chunk in self.calls.chunks(item, fmt): yield chunk
-            elif item.text or item.reasoning or item.finish_reason is not None or item.logprobs or item.prompt_text \
-                    or item.prompt_logprobs:
-                yield fmt.chunk(item, gen.usage(sent))                  # held-back text (maybe a stop string) waits
+            elif _has_news(item): yield fmt.chunk(item, gen.usage(sent))   # held-back text (a stop string?) waits
             if gen.finished: break
             try: item = await gen.next()
             except ApiError as e:
@@ -165,7 +168,7 @@ def build_app(frontend: Frontend, api_keys: Sequence[str] = (), max_request_byte
                        open_paths=app.state.open_paths, error_shapes=app.state.error_shapes)
     app.add_middleware(CrashGuard, error_shapes=app.state.error_shapes)   # the outermost: a failure is one log line
     def respond(request: Request, error: ApiError) -> Response:
-        return error_response(error, _route_path(request.scope), app.state.error_shapes)
+        return error_response(error, route_path(request.scope), app.state.error_shapes)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError): return respond(request, exc)

@@ -21,8 +21,8 @@ from .protocol import ApiError, encode_request, usage_dict
 
 # %% auto #0
 __all__ = ['MAX_REQUEST_BYTES', 'OPEN_PATHS', 'COLLECT_AFTER_BYTES', 'ErrorShape', 'ServerMetrics', 'ClientDisconnected',
-           'unless_disconnected', 'Generation', 'WorkerPool', 'Frontend', 'error_response', 'RequestGuard',
-           'CrashGuard']
+           'unless_disconnected', 'Generation', 'WorkerPool', 'Frontend', 'route_path', 'error_response',
+           'RequestGuard', 'CrashGuard']
 
 # %% ../../nbs/14e_frontend.ipynb #e8b7e8f6
 def _kv_cache_usage(counters: dict) -> float:
@@ -401,7 +401,7 @@ ErrorShape = Callable[[ApiError], Response]   # an API's own error envelope (Ant
 
 def _digest(key: bytes) -> bytes: return hashlib.sha256(key).digest()
 
-def _route_path(scope) -> str:
+def route_path(scope) -> str:
     "The path the app routes on: the request's, less the root path a proxy mounted the server under."
     path, root = scope['path'], scope.get('root_path', '')
     return path[len(root):] if root and path.startswith(root + '/') else path
@@ -444,14 +444,14 @@ class RequestGuard:
 
     def _closing(self, error: ApiError, scope) -> Response:
         "The answer to a request refused before its body was read: the connection cannot carry another request."
-        response = error_response(error, _route_path(scope), self.error_shapes)
+        response = error_response(error, route_path(scope), self.error_shapes)
         response.headers['Connection'] = 'close'
         return response
 
     async def __call__(self, scope, receive, send):
         if scope['type'] != 'http': return await self.app(scope, receive, send)
         headers = dict(scope['headers'])
-        if self._keys and _route_path(scope) not in self.open_paths and not self.authorized(scope['headers']):
+        if self._keys and route_path(scope) not in self.open_paths and not self.authorized(scope['headers']):
             message = 'a valid API key is required, as one "Authorization: Bearer KEY" or "x-api-key: KEY" header'
             response = self._closing(ApiError(401, message, None, 'invalid_api_key'), scope)
             response.headers['WWW-Authenticate'] = 'Bearer'
@@ -502,9 +502,9 @@ class CrashGuard:
         try: await self.app(scope, receive, tracked_send)
         except Exception as e:
             why = str(e).splitlines()[0][:200] if str(e) else ''
-            log(f"{scope['method']} {_route_path(scope)} failed: {type(e).__name__}: {why}", 'error')
+            log(f"{scope['method']} {route_path(scope)} failed: {type(e).__name__}: {why}", 'error')
             log(traceback.format_exc(), 'debug')
             if not started:
                 error = ApiError(500, f'internal error: {type(e).__name__}')
-                return await error_response(error, _route_path(scope), self.error_shapes)(scope, receive, send)
+                return await error_response(error, route_path(scope), self.error_shapes)(scope, receive, send)
             if not ended: await send({'type': 'http.response.body', 'body': b'', 'more_body': False})   # cut short
