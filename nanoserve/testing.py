@@ -17,8 +17,8 @@ from .processes import free_port
 from .server.messages import LOG_LEVEL_ENV
 
 # %% auto #0
-__all__ = ['TINY_FAMILIES', 'save_tiny_model', 'save_tiny_gguf', 'FakeRunner', 'random_page_table', 'ServerProcess', 'wait_until',
-           'process_gone', 'use_triton_interpreter']
+__all__ = ['TINY_FAMILIES', 'LLAMA_CPP_SHAPES', 'save_tiny_model', 'save_tiny_gguf', 'FakeRunner', 'random_page_table',
+           'ServerProcess', 'wait_until', 'process_gone', 'use_triton_interpreter']
 
 # %% ../nbs/95_testing.ipynb #35a35c63
 _CORPUS = ("The quick brown fox jumps over the lazy dog. A small engine serves a large model, one token at a time. "
@@ -81,6 +81,13 @@ _LLAMA_CPP_ARCHS = {'LlamaForCausalLM': 'llama', 'MistralForCausalLM': 'llama', 
                     'Qwen2ForCausalLM': 'qwen2', 'Qwen3ForCausalLM': 'qwen3', 'Qwen3MoeForCausalLM': 'qwen3moe',
                     'Phi3ForCausalLM': 'phi3', 'Olmo2ForCausalLM': 'olmo2', 'Gemma2ForCausalLM': 'gemma2',
                     'Gemma3ForCausalLM': 'gemma3'}   # as llama.cpp's converter names each family's architecture
+
+_GEMMA_SCALE = dict(query_pre_attn_scalar=16)   # llama.cpp scales a (non-27B) Gemma's queries by head_dim (16 here)
+LLAMA_CPP_SHAPES = {   # a family's tiny model (`TINY_FAMILIES`) reshaped where llama.cpp's GGUF could not state it
+    'llama': {}, 'qwen2': {}, 'qwen3': {}, 'phi3': {}, 'olmo2': {}, 'qwen3_moe': {},
+    'mistral': dict(sliding_window=None), 'mixtral': dict(sliding_window=None),   # the llama arch has no window
+    'gemma2': dict(_GEMMA_SCALE, tie_word_embeddings=True),                      # nor gemma2 an output layer
+    'gemma3_text': dict(_GEMMA_SCALE, num_hidden_layers=6, layer_types=None, attn_logit_softcapping=None)}
 
 def _llama_cpp_rows(w, num_heads: int):
     "llama.cpp's row order for a Llama q or k weight (or bias): per head, the two rotary halves interleaved."

@@ -14,23 +14,14 @@ from transformers import AutoModelForCausalLM
 from nanoserve.engine import Engine
 from nanoserve.quant_load import gguf_model_dir
 from nanoserve.req import SamplingParams
-from nanoserve.testing import TINY_FAMILIES, save_tiny_gguf, save_tiny_model
+from nanoserve.testing import LLAMA_CPP_SHAPES, TINY_FAMILIES, save_tiny_gguf, save_tiny_model
 
 PROMPTS = [list(range(3, 40)), [5, 6, 7]]   # 37 tokens: past the 16-position window
 N = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
-_GEMMA = dict(query_pre_attn_scalar=16)     # llama.cpp scales a (non-27B) Gemma's queries by head_dim (16)
-GGUF_SHAPES = {   # a family's tiny model as llama.cpp's files can state it, and the format of its weights
-    'llama': ({}, 'F16'),
-    'mistral': (dict(sliding_window=None), 'F32'),   # llama.cpp's llama arch has no window
-    'qwen2': ({}, 'Q8_0'),
-    'qwen3': ({}, 'F16'),
-    'phi3': ({}, 'Q8_0'),
-    'olmo2': ({}, 'F32'),
-    'gemma2': (dict(_GEMMA, tie_word_embeddings=True), 'F16'),   # llama.cpp's gemma2 has no output layer
-    'gemma3_text': (dict(_GEMMA, num_hidden_layers=6, layer_types=None, attn_logit_softcapping=None), 'Q8_0'),
-    'mixtral': (dict(sliding_window=None), 'F32'),
-    'qwen3_moe': ({}, 'Q8_0')}
+GGUF_SHAPES = {family: (LLAMA_CPP_SHAPES[family], quant_type) for family, quant_type in (   # and the weights' format
+    ('llama', 'F16'), ('mistral', 'F32'), ('qwen2', 'Q8_0'), ('qwen3', 'F16'), ('phi3', 'Q8_0'), ('olmo2', 'F32'),
+    ('gemma2', 'F16'), ('gemma3_text', 'Q8_0'), ('mixtral', 'F32'), ('qwen3_moe', 'Q8_0'))}
 
 def hf_greedy(path) -> list[list[int]]:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation='eager').eval()
