@@ -4,7 +4,7 @@
 
 # %% ../nbs/07c_quant_load.ipynb #c6c0faf1
 from __future__ import annotations
-import hashlib, json, logging, math, os, shutil, tempfile
+import hashlib, json, logging, math, os, re, shutil, tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -238,7 +238,8 @@ def _read_tensor(file_bytes: np.ndarray, tensor: GGUFTensor, rows: torch.Tensor 
 def _expert(tensor: GGUFTensor, expert: int) -> GGUFTensor:
     "Expert `expert`'s matrix in a 3-D `[experts, rows, cols]` tensor: the experts lie one after another in the file."
     size = tensor.num_bytes // tensor.shape[0]
-    return GGUFTensor(f'{tensor.name}[{expert}]', tensor.type_name, tensor.shape[1:], tensor.offset + expert * size, size)
+    offset = tensor.offset + expert * size
+    return GGUFTensor(f'{tensor.name}[{expert}]', tensor.type_name, tensor.shape[1:], offset, size)
 
 _FUSED = {'q_proj': ('qkv_proj', 0), 'k_proj': ('qkv_proj', 1), 'v_proj': ('qkv_proj', 2),   # Phi-3's attn_qkv
           'gate_proj': ('gate_up_proj', 0), 'up_proj': ('gate_up_proj', 1)}                  # and ffn_up (gate first)
@@ -265,9 +266,10 @@ def _gguf_source(name_map, checkpoint_name: str, tensors: dict, config: ModelCon
         fused, index = _FUSED[part]
         fused_name = gguf_name(checkpoint_name.replace(f'.{part}.', f'.{fused}.'))
         sizes = _fused_sizes(config)[fused]
-        if fused_name in tensors and tensors[fused_name].shape[0] == sum(sizes) and tensors.get(name) in (None, tensors[fused_name]):
+        fused_tensor = tensors.get(fused_name)
+        if fused_tensor is not None and fused_tensor.shape[0] == sum(sizes) and tensors.get(name) in (None, fused_tensor):
             start = sum(sizes[:index])
-            return tensors[fused_name], slice(start, start + sizes[index])
+            return fused_tensor, slice(start, start + sizes[index])
     return (tensors[name], None) if name in tensors else None
 
 def _holders(model: nn.Module) -> dict[int, list[nn.Module]]:
@@ -302,7 +304,7 @@ def _read_part(file_bytes: np.ndarray, source: tuple[GGUFTensor, slice | None], 
                config: ModelConfig) -> torch.Tensor | Blocks:
     "A checkpoint tensor's values from the file: Llama's q/k rows put back in order, Gemma's norms less their offset."
     tensor, rows = source
-    if arch_name == 'llama' and checkpoint_name.endswith(('q_proj.weight', 'q_proj.bias', 'k_proj.weight', 'k_proj.bias')):
+    if arch_name == 'llama' and re.search(r'\.[qk]_proj\.(weight|bias)$', checkpoint_name):
         heads = config.num_heads if '.q_proj.' in checkpoint_name else config.num_kv_heads
         rows = _unpermuted_rows(tensor.shape[0], heads)
     values = _read_tensor(file_bytes, tensor, rows)

@@ -100,7 +100,8 @@ def _unsaid(arch: str, cfg: dict) -> list[str]:
     full_every = {'gemma2': 2, 'gemma3': 6}.get(arch)
     unsaid = [f'rope scaling {config.rope_scaling}'] if config.rope_scaling else []
     if config.sliding_windows and arch not in ('phi3', 'gemma2', 'gemma3'): unsaid.append('a sliding window')
-    if full_every and [bool(config.sliding_window(i)) for i in range(n)] != [(i + 1) % full_every > 0 for i in range(n)]:
+    sliding = [bool(config.sliding_window(i)) for i in range(n)]
+    if full_every and sliding != [(i + 1) % full_every > 0 for i in range(n)]:
         unsaid.append(f'sliding layers other than llama.cpp\'s (all but every {full_every}th)')
     if full_every and scale != (config.hidden_size // config.num_heads if n in (46, 62) else config.head_dim):
         unsaid.append(f'query_pre_attn_scalar {scale} (llama.cpp takes head_dim, hidden / heads for 27B)')
@@ -177,7 +178,7 @@ def save_tiny_gguf(model_dir: str | Path,      # a directory with a tokenizer (`
                    out: str | Path,            # the .gguf file to write
                    quant_type: str = 'F32',    # the weights' type: F32, F16, Q8_0, Q4_0 or Q4_1 (`gguf`'s quantizers)
                    types: dict[str, str] | None = None,   # a type for some tensors, by GGUF name ('blk.0.attn_v.weight')
-                   merge_experts: bool = True,  # experts as one 3-D tensor per projection (False: llama.cpp's older files)
+                   merge_experts: bool = True,  # experts as one 3-D tensor a projection (False: older llama.cpp files)
                   ) -> Path:
     "Write a Hugging Face directory as a GGUF file, as llama.cpp's converter does: its arch, keys, names and layouts."
     import gguf

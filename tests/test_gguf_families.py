@@ -49,7 +49,7 @@ def rounded_copy(hf_dir, out, quant_type: str):
     return out
 
 def shrink_embedding(hf_dir, factor: float = 0.1):
-    "A tied random model repeats the prompt's last token (its embedding dominates what the head reads); a small one not."
+    "A tied random model repeats the prompt's last token (its embedding dominates what the head reads); less so here."
     weights = load_file(hf_dir / 'model.safetensors')
     weights['model.embed_tokens.weight'] *= factor
     save_file(weights, hf_dir / 'model.safetensors', metadata={'format': 'pt'})
