@@ -4,7 +4,7 @@
 
 # %% ../nbs/07c_quant_load.ipynb #c6c0faf1
 from __future__ import annotations
-import hashlib, json, logging, math, os, shutil, tempfile
+import hashlib, json, logging, math, os, re, shutil, tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -13,15 +13,16 @@ import torch
 from torch import nn
 from .config import ARCHITECTURES, QUANTIZATIONS, ModelConfig, default_cache_dir
 from .model import ColumnParallelLinear, DecoderForCausalLM, RowParallelLinear, VocabParallelEmbedding
-from .model import _checkpoint_names, _target, build_model, load_model, resolve_model_path
+from .model import _EXPERT, _checkpoint_names, _target, build_model, load_model, resolve_model_path
 from .quant import GGUF_LAYOUTS, QuantizedWeight, dequantize, gguf_blocks, quantize_fp8, quantize_int4, quantize_int8
 from .quant import use_quantized_weight
 
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'GGUF_STAMP', 'FLOAT_TYPES', 'QUANTIZERS', 'Blocks', 'GGUFTensor', 'is_gguf', 'gguf_config', 'gguf_model_dir',
-           'gguf_file_of', 'gguf_tensors', 'load_gguf', 'quantize_model', 'resolve_checkpoint', 'load_checkpoint']
+__all__ = ['log', 'LLAMA_CPP_ARCHS', 'GGUF_STAMP', 'FLOAT_TYPES', 'QUANTIZERS', 'Blocks', 'gguf_hf_config', 'GGUFTensor',
+           'is_gguf', 'gguf_config', 'gguf_model_dir', 'gguf_file_of', 'gguf_tensors', 'load_gguf', 'quantize_model',
+           'resolve_checkpoint', 'load_checkpoint']
 
 # %% ../nbs/07c_quant_load.ipynb #57226e28
 class Blocks:
@@ -71,6 +72,69 @@ class Blocks:
         for field in self.fields.values(): field.zero_()
         return self
 
+# %% ../nbs/07c_quant_load.ipynb #a1c9e001
+LLAMA_CPP_ARCHS = {   # llama.cpp's architecture name -> the transformers class its GGUF files are served as
+    'llama': 'LlamaForCausalLM',         # Mistral's files too; with experts (`llama.expert_count`), Mixtral's
+    'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM', 'qwen3moe': 'Qwen3MoeForCausalLM',
+    'phi3': 'Phi3ForCausalLM', 'olmo2': 'Olmo2ForCausalLM', 'gemma2': 'Gemma2ForCausalLM', 'gemma3': 'Gemma3ForCausalLM'}
+_WINDOWED = ('phi3', 'gemma2', 'gemma3')            # the archs whose files state a sliding window llama.cpp reads
+_GEMMA_27B_LAYERS = {'gemma2': 46, 'gemma3': 62}    # llama.cpp scales these Gemmas' queries by hidden / heads
+_GEMMA3_GLOBAL_EVERY = 6                            # llama.cpp: Gemma 3's every 6th layer attends to all positions
+
+def _field(reader, key: str, default=None):
+    "A metadata value of a GGUF file, or `default` where the file does not state it."
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+def _layer_types(arch: str, num_layers: int, window: int) -> list[str] | None:
+    "Which layers slide, as llama.cpp decides for a Gemma (every other; every 6th full); None for the others."
+    if arch not in ('gemma2', 'gemma3') or not window: return None
+    every = 2 if arch == 'gemma2' else _GEMMA3_GLOBAL_EVERY
+    return ['full_attention' if (i + 1) % every == 0 else 'sliding_attention' for i in range(num_layers)]
+
+def gguf_hf_config(reader) -> dict:
+    "A `config.json` (transformers' keys) for a GGUF file's model, from its metadata read as llama.cpp reads it."
+    arch = _field(reader, 'general.architecture')
+    if arch not in LLAMA_CPP_ARCHS:
+        raise ValueError(f"gguf: the file's llama.cpp architecture {arch!r} is not one nanoserve serves "
+                         f"(supported: {', '.join(LLAMA_CPP_ARCHS)})")
+    def key(name: str, default=None): return _field(reader, f'{arch}.{name}', default)
+    shapes = {t.name: [int(n) for n in reversed(t.shape)] for t in reader.tensors}   # torch's order: [rows, cols]
+    hidden, heads, num_layers = key('embedding_length'), key('attention.head_count'), key('block_count')
+    head_dim = key('attention.key_length') or hidden // heads
+    if key('rope.dimension_count', head_dim) != head_dim:
+        raise ValueError(f"gguf: {arch}: rotary embedding on {key('rope.dimension_count')} of {head_dim} dimensions "
+                         'per head is not supported')
+    if 'rope_freqs.weight' in shapes:
+        raise ValueError(f'gguf: {arch}: per-frequency rope factors (rope_freqs.weight, Llama 3 rope scaling) '
+                         'are not supported')
+    experts, window = key('expert_count', 0), key('attention.sliding_window', 0) if arch in _WINDOWED else 0
+    architecture = 'MixtralForCausalLM' if arch == 'llama' and experts else LLAMA_CPP_ARCHS[arch]
+    config = dict(architectures=[architecture], model_type=ARCHITECTURES[architecture],
+                  vocab_size=shapes['token_embd.weight'][0], hidden_size=hidden,
+                  intermediate_size=key('feed_forward_length'), num_hidden_layers=num_layers,
+                  num_attention_heads=heads, num_key_value_heads=key('attention.head_count_kv', heads),
+                  head_dim=head_dim, max_position_embeddings=key('context_length'),
+                  rms_norm_eps=key('attention.layer_norm_rms_epsilon'), rope_theta=key('rope.freq_base', 10000.0),
+                  tie_word_embeddings='output.weight' not in shapes, attention_bias='blk.0.attn_q.bias' in shapes,
+                  sliding_window=window or None, layer_types=_layer_types(arch, num_layers, window),
+                  bos_token_id=_field(reader, 'tokenizer.ggml.bos_token_id'),
+                  eos_token_id=_field(reader, 'tokenizer.ggml.eos_token_id'),
+                  pad_token_id=_field(reader, 'tokenizer.ggml.padding_token_id'))
+    if key('rope.scaling.type', 'none') != 'none':
+        config['rope_scaling'] = {'rope_type': key('rope.scaling.type'), 'factor': key('rope.scaling.factor')}
+    if experts:   # llama.cpp renormalises the chosen experts' weights for both (Mixtral, Qwen3-MoE)
+        config.update(num_local_experts=experts, num_experts=experts, num_experts_per_tok=key('expert_used_count'),
+                      moe_intermediate_size=key('expert_feed_forward_length', key('feed_forward_length')),
+                      norm_topk_prob=True)
+    if arch in ('gemma2', 'gemma3'):   # the embedding scale is the family's; the attention scale is llama.cpp's rule
+        big = num_layers == _GEMMA_27B_LAYERS[arch]
+        config.update(hidden_activation='gelu_pytorch_tanh', query_pre_attn_scalar=hidden // heads if big else head_dim,
+                      final_logit_softcapping=key('final_logit_softcapping', 30.0 if arch == 'gemma2' else None))
+    if arch == 'gemma2': config['attn_logit_softcapping'] = key('attn_logit_softcapping', 50.0)
+    if arch == 'gemma3': config['rope_local_base_freq'] = key('rope.freq_base_swa', 10000.0)
+    return config
+
 # %% ../nbs/07c_quant_load.ipynb #5be6569d
 GGUF_STAMP = 'nanoserve-gguf.json'     # in a GGUF's model directory: its file, and where each tensor lies in it
 FLOAT_TYPES = {'F32': np.float32, 'F16': np.float16}   # GGUF tensor types read as float tensors as they are
@@ -93,34 +157,29 @@ def _gguf_key(gguf_file: Path) -> dict:
     return {'gguf': str(gguf_file), 'bytes': stat.st_size, 'mtime_ns': stat.st_mtime_ns}
 
 def gguf_config(gguf_file: Path, reader=None):
-    "transformers' config of a GGUF file, with the `head_dim` the file states (transformers reads it for some families)."
+    "transformers' config of a GGUF file's model: `gguf_hf_config`'s keys, read as transformers reads `config.json`."
     from gguf import GGUFReader
     from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
-    config.__dict__.pop('quantization_config', None)     # the blocks are read by nanoserve, not by transformers
-    key_length = (reader or GGUFReader(gguf_file)).fields.get(f'{config.model_type}.attention.key_length')
-    if key_length is not None: config.head_dim = int(key_length.contents())
-    return config
+    config = gguf_hf_config(reader or GGUFReader(gguf_file))
+    return AutoConfig.for_model(config.pop('model_type'), **config)
 
 def _write_gguf_dir(gguf_file: Path, dest: Path) -> dict:
     "Write `gguf_file`'s config, generation config and tokenizer (transformers reads them) into `dest`; its stamp."
     from gguf import GGUFReader
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
     reader = GGUFReader(gguf_file)
     config = gguf_config(gguf_file, reader)
-    arch = next((a for a in ARCHITECTURES if ARCHITECTURES[a] == config.model_type), None)
-    if arch is None:
-        raise ValueError(f"gguf: {gguf_file.name} holds a {config.model_type!r} model, which nanoserve does not serve "
-                         f"(supported: {', '.join(ARCHITECTURES.values())})")
-    config.architectures, config.dtype = [arch], 'bfloat16'
+    config.dtype = 'bfloat16'
     config.save_pretrained(dest)
     GenerationConfig.from_model_config(config).save_pretrained(dest)
-    AutoTokenizer.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name).save_pretrained(dest)
+    # the vocabulary, merges and special tokens the file states, whatever the family's own tokenizer class expects
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    tokenizer.save_pretrained(dest)
     tensors = [GGUFTensor(t.name, t.tensor_type.name, [int(n) for n in reversed(t.shape)], int(t.data_offset),
                           int(t.n_bytes)) for t in reader.tensors]
     return {**_gguf_key(gguf_file), 'architecture': reader.fields['general.architecture'].contents(), 'tensors': tensors}
 
-def gguf_model_dir(gguf_file: str | Path,            # a GGUF file of a Llama, Qwen2 or Qwen3 model
+def gguf_model_dir(gguf_file: str | Path,            # a GGUF file of an architecture in `LLAMA_CPP_ARCHS`
                    cache_dir: str | Path | None = None) -> Path:
     "A model directory for a GGUF: its config and tokenizer, written once, and a stamp naming the file of its weights."
     gguf_file = Path(gguf_file).expanduser().resolve()
@@ -160,9 +219,9 @@ def _unpermuted_rows(num_rows: int, num_heads: int) -> torch.Tensor:
     "Row order undoing llama.cpp's Llama q/k layout (each head's two rotary halves interleaved): `hf = gguf[order]`."
     return torch.arange(num_rows).view(num_heads, num_rows // num_heads // 2, 2).transpose(1, 2).reshape(-1)
 
-def _read_tensor(file_bytes: np.ndarray, tensor: GGUFTensor,
-                 rows_order: torch.Tensor | None = None) -> torch.Tensor | Blocks:
-    "A GGUF tensor in torch's shape: its blocks as stored, or a float tensor (other types dequantized by `gguf`)."
+def _read_tensor(file_bytes: np.ndarray, tensor: GGUFTensor, rows: torch.Tensor | slice | None = None
+                ) -> torch.Tensor | Blocks:
+    "A GGUF tensor in torch's shape (or those of its `rows`): its blocks as stored, or floats (`gguf` dequantizing)."
     import gguf
     raw = file_bytes[tensor.offset:tensor.offset + tensor.num_bytes]
     if tensor.type_name in GGUF_LAYOUTS and len(tensor.shape) == 2:
@@ -171,10 +230,47 @@ def _read_tensor(file_bytes: np.ndarray, tensor: GGUFTensor,
         values = torch.from_numpy(np.array(raw.view(FLOAT_TYPES[tensor.type_name]))).reshape(tensor.shape)
     else:
         log.info('gguf: %s is %s, read dequantized', tensor.name, tensor.type_name)
-        rows = raw.reshape(math.prod(tensor.shape[:-1]), -1)
-        values = torch.from_numpy(gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[tensor.type_name]))
+        rows_of_blocks = raw.reshape(math.prod(tensor.shape[:-1]), -1)
+        values = torch.from_numpy(gguf.quants.dequantize(rows_of_blocks, gguf.GGMLQuantizationType[tensor.type_name]))
         values = values.reshape(tensor.shape)
-    return values if rows_order is None else values[rows_order]
+    return values if rows is None else values[rows]
+
+def _expert(tensor: GGUFTensor, expert: int) -> GGUFTensor:
+    "Expert `expert`'s matrix in a 3-D `[experts, rows, cols]` tensor: the experts lie one after another in the file."
+    size = tensor.num_bytes // tensor.shape[0]
+    offset = tensor.offset + expert * size
+    return GGUFTensor(f'{tensor.name}[{expert}]', tensor.type_name, tensor.shape[1:], offset, size)
+
+_FUSED = {'q_proj': ('qkv_proj', 0), 'k_proj': ('qkv_proj', 1), 'v_proj': ('qkv_proj', 2),   # Phi-3's attn_qkv
+          'gate_proj': ('gate_up_proj', 0), 'up_proj': ('gate_up_proj', 1)}                  # and ffn_up (gate first)
+
+def _fused_sizes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    "The rows of each part of a fused q/k/v and gate/up tensor."
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {'qkv_proj': (q, kv, kv), 'gate_up_proj': (config.intermediate_size,) * 2}
+
+def _gguf_source(name_map, checkpoint_name: str, tensors: dict, config: ModelConfig
+                ) -> tuple[GGUFTensor, slice | None] | None:
+    "Where a checkpoint tensor lies in a GGUF: a tensor of the file (or one expert's of it) and its rows; or None."
+    def gguf_name(name): return name_map.get_name(name, try_suffixes=('.weight', '.bias'))
+    expert = _EXPERT.search(checkpoint_name)
+    if expert:    # one [E, rows, cols] tensor per projection (`ffn_gate_exps`), or (older files) one per expert
+        merged = gguf_name(checkpoint_name.replace(f'.experts.{expert[1]}.', '.experts.'))
+        if merged in tensors: return _expert(tensors[merged], int(expert[1])), None
+        single = merged and merged.replace('_exps.', f'.{expert[1]}.')
+        return (tensors[single], None) if single in tensors else None
+    name = gguf_name(checkpoint_name)
+    if checkpoint_name == 'lm_head.weight' and name not in tensors: name = 'token_embd.weight'   # tied, as llama.cpp
+    part = next((p for p in _FUSED if f'.{p}.' in checkpoint_name), None)
+    if part is not None:
+        fused, index = _FUSED[part]
+        fused_name = gguf_name(checkpoint_name.replace(f'.{part}.', f'.{fused}.'))
+        sizes = _fused_sizes(config)[fused]
+        fused_tensor = tensors.get(fused_name)
+        if fused_tensor is not None and fused_tensor.shape[0] == sum(sizes) and tensors.get(name) in (None, fused_tensor):
+            start = sum(sizes[:index])
+            return fused_tensor, slice(start, start + sizes[index])
+    return (tensors[name], None) if name in tensors else None
 
 def _holders(model: nn.Module) -> dict[int, list[nn.Module]]:
     "id of each parameter held as a layer's `weight` -> the layers holding it (an embedding and a tied head share one)."
@@ -185,12 +281,6 @@ def _holders(model: nn.Module) -> dict[int, list[nn.Module]]:
     return holders
 
 _QUANTIZABLE = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)   # ParallelLMHead is one too
-
-def _gguf_name(name_map, checkpoint_name: str, tensors: dict) -> str | None:
-    "The GGUF tensor a checkpoint tensor is stored as (a tied output layer: the embedding), or None."
-    gguf_name = name_map.get_name(checkpoint_name, try_suffixes=('.weight', '.bias'))
-    if gguf_name == 'output.weight' and gguf_name not in tensors: gguf_name = 'token_embd.weight'
-    return gguf_name if gguf_name in tensors else None
 
 def _load_parts(param: nn.Parameter, parts: list, layers: list[nn.Module]):
     "Load a parameter from its checkpoint tensors: one block format they share into a `QuantizedWeight`, else floats."
@@ -210,6 +300,17 @@ def _load_parts(param: nn.Parameter, parts: list, layers: list[nn.Module]):
     weight = QuantizedWeight(quant_type, target.fields, dtype=param.dtype)
     for layer in layers: use_quantized_weight(layer, weight)
 
+def _read_part(file_bytes: np.ndarray, source: tuple[GGUFTensor, slice | None], checkpoint_name: str, arch_name: str,
+               config: ModelConfig) -> torch.Tensor | Blocks:
+    "A checkpoint tensor's values from the file: Llama's q/k rows put back in order, Gemma's norms less their offset."
+    tensor, rows = source
+    if arch_name == 'llama' and re.search(r'\.[qk]_proj\.(weight|bias)$', checkpoint_name):
+        heads = config.num_heads if '.q_proj.' in checkpoint_name else config.num_kv_heads
+        rows = _unpermuted_rows(tensor.shape[0], heads)
+    values = _read_tensor(file_bytes, tensor, rows)
+    offset = config.family.norm_offset    # llama.cpp's converter stores a Gemma norm's weight with its offset added
+    return values - offset if offset and checkpoint_name.endswith('norm.weight') else values
+
 def load_gguf(model: DecoderForCausalLM, model_dir: str | Path):
     "Load a GGUF model directory's file into `model`: block-quantized weights on their own blocks, the rest as floats."
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
@@ -223,15 +324,12 @@ def load_gguf(model: DecoderForCausalLM, model_dir: str | Path):
     for param_name, param in list(model.named_parameters()):   # a list: loading replaces some of them
         parts = []    # (shard_id, the checkpoint tensor's values) for each tensor the parameter is made of
         for checkpoint_name in _checkpoint_names(param_name, param.shards):
-            gguf_name = _gguf_name(name_map, checkpoint_name, tensors)
-            if gguf_name is None:
+            source = _gguf_source(name_map, checkpoint_name, tensors, config)
+            if source is None:
                 missing.append(checkpoint_name)
                 continue
-            rows_order = None
-            if arch_name == 'llama' and checkpoint_name.endswith(('q_proj.weight', 'k_proj.weight')):
-                heads = config.num_heads if 'q_proj' in checkpoint_name else config.num_kv_heads
-                rows_order = _unpermuted_rows(tensors[gguf_name].shape[0], heads)
-            parts.append((_target(checkpoint_name)[1], _read_tensor(file_bytes, tensors[gguf_name], rows_order)))
+            values = _read_part(file_bytes, source, checkpoint_name, arch_name, config)
+            parts.append((_target(checkpoint_name)[1], values))
         if missing: continue
         try: _load_parts(param, parts, holders.get(id(param), []))
         except ValueError as e: raise ValueError(f'gguf: {param_name}: {e}') from e

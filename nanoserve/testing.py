@@ -7,8 +7,9 @@ from __future__ import annotations
 import json, os, signal, ssl, subprocess, sys, time, urllib.error, urllib.request
 from pathlib import Path
 from typing import Callable, Sequence
+import numpy as np
 import torch
-from .config import cdiv
+from .config import ModelConfig, cdiv
 from .req import Batch
 from .pages import PageTable
 from .scheduler import StepOutput
@@ -16,8 +17,8 @@ from .processes import free_port
 from .server.messages import LOG_LEVEL_ENV
 
 # %% auto #0
-__all__ = ['TINY_FAMILIES', 'save_tiny_model', 'save_tiny_gguf', 'FakeRunner', 'random_page_table', 'ServerProcess', 'wait_until',
-           'process_gone', 'use_triton_interpreter']
+__all__ = ['TINY_FAMILIES', 'LLAMA_CPP_SHAPES', 'save_tiny_model', 'save_tiny_gguf', 'FakeRunner', 'random_page_table',
+           'ServerProcess', 'wait_until', 'process_gone', 'use_triton_interpreter']
 
 # %% ../nbs/95_testing.ipynb #35a35c63
 _CORPUS = ("The quick brown fox jumps over the lazy dog. A small engine serves a large model, one token at a time. "
@@ -76,41 +77,66 @@ def save_tiny_model(path: str | Path, arch: str = 'llama', seed: int = 0, tokeni
     return path
 
 # %% ../nbs/95_testing.ipynb #c7a1e002
-_LLAMA_CPP_ARCHS = {'LlamaForCausalLM': 'llama', 'Qwen2ForCausalLM': 'qwen2', 'Qwen3ForCausalLM': 'qwen3'}
+_LLAMA_CPP_ARCHS = {'LlamaForCausalLM': 'llama', 'MistralForCausalLM': 'llama', 'MixtralForCausalLM': 'llama',
+                    'Qwen2ForCausalLM': 'qwen2', 'Qwen3ForCausalLM': 'qwen3', 'Qwen3MoeForCausalLM': 'qwen3moe',
+                    'Phi3ForCausalLM': 'phi3', 'Olmo2ForCausalLM': 'olmo2', 'Gemma2ForCausalLM': 'gemma2',
+                    'Gemma3ForCausalLM': 'gemma3'}   # as llama.cpp's converter names each family's architecture
+
+_GEMMA_SCALE = dict(query_pre_attn_scalar=16)   # llama.cpp scales a (non-27B) Gemma's queries by head_dim (16 here)
+LLAMA_CPP_SHAPES = {   # a family's tiny model (`TINY_FAMILIES`) reshaped where llama.cpp's GGUF could not state it
+    'llama': {}, 'qwen2': {}, 'qwen3': {}, 'phi3': {}, 'olmo2': {}, 'qwen3_moe': {},
+    'mistral': dict(sliding_window=None), 'mixtral': dict(sliding_window=None),   # the llama arch has no window
+    'gemma2': dict(_GEMMA_SCALE, tie_word_embeddings=True),                      # nor gemma2 an output layer
+    'gemma3_text': dict(_GEMMA_SCALE, num_hidden_layers=6, layer_types=None, attn_logit_softcapping=None)}
 
 def _llama_cpp_rows(w, num_heads: int):
-    "llama.cpp's row order for a Llama q or k weight: per head, the two rotary halves interleaved."
+    "llama.cpp's row order for a Llama q or k weight (or bias): per head, the two rotary halves interleaved."
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-def save_tiny_gguf(model_dir: str | Path,      # a Llama, Qwen2 or Qwen3 directory with a tokenizer (`save_tiny_model`)
-                   out: str | Path,            # the .gguf file to write
-                   quant_type: str = 'F32',    # the 2-D weights' type: F32, F16, Q8_0, Q4_0 or Q4_1 (`gguf`'s quantizers)
-                   types: dict[str, str] | None = None,   # a type for some tensors, by GGUF name ('blk.0.attn_v.weight')
-                  ) -> Path:
-    "Write a Hugging Face directory as a GGUF file, as llama.cpp's converter does: its names, Llama's q/k row order."
-    import gguf
-    import numpy as np
-    from safetensors.torch import load_file
-    model_dir, out = Path(model_dir), Path(out)
-    cfg = json.loads((model_dir/'config.json').read_text())
+def _unsaid(arch: str, cfg: dict) -> list[str]:
+    "What of a checkpoint llama.cpp's GGUF does not say, so that llama.cpp would run another model than transformers."
+    config = ModelConfig.from_dict(cfg)
+    n, scale = config.num_layers, config.query_pre_attn_scalar
+    full_every = {'gemma2': 2, 'gemma3': 6}.get(arch)
+    unsaid = [f'rope scaling {config.rope_scaling}'] if config.rope_scaling else []
+    if config.sliding_windows and arch not in ('phi3', 'gemma2', 'gemma3'): unsaid.append('a sliding window')
+    sliding = [bool(config.sliding_window(i)) for i in range(n)]
+    if full_every and sliding != [(i + 1) % full_every > 0 for i in range(n)]:
+        unsaid.append(f'sliding layers other than llama.cpp\'s (all but every {full_every}th)')
+    if full_every and scale != (config.hidden_size // config.num_heads if n in (46, 62) else config.head_dim):
+        unsaid.append(f'query_pre_attn_scalar {scale} (llama.cpp takes head_dim, hidden / heads for 27B)')
+    if arch == 'gemma2' and not config.tie_word_embeddings: unsaid.append('an output layer apart from the embedding')
+    if arch == 'gemma3' and cfg.get('attn_logit_softcapping'): unsaid.append('attention soft-capping')
+    if config.moe_layers and (not config.norm_topk_prob or len(config.moe_layers) < n):
+        unsaid.append('unnormalised expert weights or dense layers among the experts')
+    return unsaid
+
+def _write_metadata(writer, arch: str, cfg: dict, config: ModelConfig):
+    "The model's shape under llama.cpp's keys, as its converter writes them for `arch`."
+    writer.add_block_count(config.num_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_heads)
+    writer.add_head_count_kv(config.num_kv_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_rope_freq_base(config.rope_theta)
+    if config.local_rope_theta: writer.add_rope_freq_base_swa(config.local_rope_theta)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_rope_dimension_count(config.head_dim)
+    if arch in ('phi3', 'gemma2', 'gemma3') and config.sliding_windows: writer.add_sliding_window(cfg['sliding_window'])
+    if arch == 'gemma2': writer.add_attn_logit_softcapping(config.attn_logit_softcap)
+    if config.final_logit_softcap: writer.add_final_logit_softcapping(config.final_logit_softcap)
+    if config.moe_layers:
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+    if arch == 'qwen3moe': writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+
+def _write_tokenizer(writer, model_dir: Path, cfg: dict):
+    "The BPE tokenizer of `save_tiny_model`, as llama.cpp's `gpt2` vocabulary."
     tok = json.loads((model_dir/'tokenizer.json').read_text())
-    arch = _LLAMA_CPP_ARCHS[cfg['architectures'][0]]
-    num_layers, heads, kv_heads = cfg['num_hidden_layers'], cfg['num_attention_heads'], cfg['num_key_value_heads']
-    head_dim = cfg.get('head_dim') or cfg['hidden_size'] // heads
-    writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_name(f'tiny-{arch}')
-    writer.add_block_count(num_layers)
-    writer.add_context_length(cfg['max_position_embeddings'])
-    writer.add_embedding_length(cfg['hidden_size'])
-    writer.add_feed_forward_length(cfg['intermediate_size'])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(cfg.get('rope_parameters', {}).get('rope_theta', cfg.get('rope_theta', 10000.0)))
-    writer.add_layer_norm_rms_eps(cfg['rms_norm_eps'])
-    writer.add_vocab_size(cfg['vocab_size'])
-    writer.add_rope_dimension_count(head_dim)
     special = {t['content'] for t in tok['added_tokens']}
     tokens = sorted(tok['model']['vocab'], key=tok['model']['vocab'].get)
     writer.add_tokenizer_model('gpt2')
@@ -124,13 +150,51 @@ def save_tiny_gguf(model_dir: str | Path,      # a Llama, Qwen2 or Qwen3 directo
     writer.add_add_bos_token(True)
     template = json.loads((model_dir/'tokenizer_config.json').read_text()).get('chat_template')
     writer.add_chat_template(template or (model_dir/'chat_template.jinja').read_text())
-    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), num_layers)
+
+def _llama_cpp_tensors(model_dir: Path, arch: str, config: ModelConfig, names, merge_experts: bool):
+    "`(GGUF name, float32 array)` of each tensor, as llama.cpp's converter writes them."
+    import re
+    from safetensors.torch import load_file
+    experts = {}   # the merged checkpoint name -> {expert: values}
     for name, tensor in load_file(model_dir/'model.safetensors').items():
         values = tensor.float().numpy()
-        gguf_name = names.get_name(name, try_suffixes=('.weight', '.bias'))
-        if arch == 'llama' and name.endswith('q_proj.weight'): values = _llama_cpp_rows(values, heads)
-        if arch == 'llama' and name.endswith('k_proj.weight'): values = _llama_cpp_rows(values, kv_heads)
-        kind = (types or {}).get(gguf_name, quant_type) if values.ndim == 2 else 'F32'
+        if arch == 'gemma2' and name == 'lm_head.weight': continue        # llama.cpp's gemma2 has no output layer
+        if config.family.norm_offset and name.endswith('norm.weight'): values = values + config.family.norm_offset
+        if arch == 'llama' and re.search(r'\.[qk]_proj\.(weight|bias)$', name):
+            values = _llama_cpp_rows(values, config.num_heads if '.q_proj.' in name else config.num_kv_heads)
+        expert = re.search(r'\.experts\.(\d+)\.', name)
+        if expert and merge_experts:
+            experts.setdefault(name.replace(expert[0], '.experts.'), {})[int(expert[1])] = values
+            continue
+        if expert:    # llama.cpp's older files: blk.N.ffn_gate.E.weight
+            merged = names.get_name(name.replace(expert[0], '.experts.'), try_suffixes=('.weight',))
+            yield merged.replace('_exps.', f'.{expert[1]}.'), values
+            continue
+        yield names.get_name(name, try_suffixes=('.weight', '.bias')), values
+    for name, parts in experts.items():   # blk.N.ffn_gate_exps.weight: [experts, rows, cols]
+        yield names.get_name(name, try_suffixes=('.weight',)), np.stack([parts[e] for e in sorted(parts)])
+
+def save_tiny_gguf(model_dir: str | Path,      # a directory with a tokenizer (`save_tiny_model`), of any family
+                   out: str | Path,            # the .gguf file to write
+                   quant_type: str = 'F32',    # the weights' type: F32, F16, Q8_0, Q4_0 or Q4_1 (`gguf`'s quantizers)
+                   types: dict[str, str] | None = None,   # a type for some tensors, by GGUF name ('blk.0.attn_v.weight')
+                   merge_experts: bool = True,  # experts as one 3-D tensor a projection (False: older llama.cpp files)
+                  ) -> Path:
+    "Write a Hugging Face directory as a GGUF file, as llama.cpp's converter does: its arch, keys, names and layouts."
+    import gguf
+    model_dir, out = Path(model_dir), Path(out)
+    cfg = json.loads((model_dir/'config.json').read_text())
+    arch, config = _LLAMA_CPP_ARCHS[cfg['architectures'][0]], ModelConfig.from_dict(cfg)
+    unsaid = _unsaid(arch, cfg)
+    if unsaid: raise ValueError(f"gguf: llama.cpp's {arch} GGUF cannot say {', '.join(unsaid)}")
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(f'tiny-{arch}')
+    _write_metadata(writer, arch, cfg, config)
+    _write_tokenizer(writer, model_dir, cfg)
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), config.num_layers)
+    for gguf_name, values in _llama_cpp_tensors(model_dir, arch, config, names, merge_experts):
+        router = gguf_name.endswith('ffn_gate_inp.weight')     # llama.cpp keeps the router in F32
+        kind = (types or {}).get(gguf_name, quant_type) if values.ndim >= 2 and not router else 'F32'
         qtype = gguf.GGMLQuantizationType[kind]
         block_size = gguf.GGML_QUANT_SIZES[qtype][0]
         if values.shape[-1] % block_size: qtype = gguf.GGMLQuantizationType.F32   # as llama.cpp keeps such rows
