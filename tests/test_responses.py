@@ -39,7 +39,8 @@ def check_weather_args(arguments: str):
 
 def test_plain_equals_chat(client):
     r = client.responses.create(input='Hello there', instructions='Be brief.', max_output_tokens=8, **GREEDY)
-    choice, usage = chat(client, [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hello there'}], 8)
+    messages = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hello there'}]
+    choice, usage = chat(client, messages, 8)
     assert r.object == 'response' and r.id.startswith('resp_') and r.model == 'tiny'
     assert r.output_text == choice.message.content
     assert [item.type for item in r.output] == ['message'] and r.output[0].id.startswith('msg_')
@@ -96,9 +97,8 @@ def test_function_call_output_round_trip(client):
              {'type': 'function_call', 'call_id': call.call_id, 'name': call.name, 'arguments': call.arguments},
              {'type': 'function_call_output', 'call_id': call.call_id, 'output': '{"temperature": 21}'}]
     r = client.responses.create(input=items, tools=[WEATHER], tool_choice='none', max_output_tokens=8, **GREEDY)
-    history = [{'role': 'user', 'content': ASK},
-               {'role': 'assistant', 'content': None, 'tool_calls': [
-                   {'id': call.call_id, 'type': 'function', 'function': {'name': call.name, 'arguments': call.arguments}}]},
+    chat_call = {'id': call.call_id, 'type': 'function', 'function': {'name': call.name, 'arguments': call.arguments}}
+    history = [{'role': 'user', 'content': ASK}, {'role': 'assistant', 'content': None, 'tool_calls': [chat_call]},
                {'role': 'tool', 'tool_call_id': call.call_id, 'content': '{"temperature": 21}'}]
     choice, usage = chat(client, history, 8, tools=[CHAT_WEATHER], tool_choice='none')
     assert r.output_text == choice.message.content and r.usage.input_tokens == usage.prompt_tokens
@@ -174,8 +174,8 @@ def test_agents_sdk_runs_on_the_server(server, client):
     agent = Agent(name='helper', instructions='Be brief.', model=model, output_type=Forecast,
                   model_settings=ModelSettings(temperature=0, max_tokens=60))
     result = asyncio.run(Runner.run(agent, ASK))
-    fmt = {'format': {'type': 'json_schema', 'name': 'final_output', 'schema': AgentOutputSchema(Forecast).json_schema(),
-                      'strict': True}}
+    schema = AgentOutputSchema(Forecast).json_schema()         # what the SDK sends as text.format
+    fmt = {'format': {'type': 'json_schema', 'name': 'final_output', 'schema': schema, 'strict': True}}
     expected = client.responses.create(input=ASK, instructions='Be brief.', text=fmt, max_output_tokens=60, **GREEDY)
     assert expected.status == 'completed'
     assert result.final_output == Forecast.model_validate_json(expected.output_text)
