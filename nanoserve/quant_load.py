@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 from .config import ARCHITECTURES, QUANTIZATIONS, ModelConfig, default_cache_dir
+from .references import rope_inv_freq
 from .model import ColumnParallelLinear, DecoderForCausalLM, RowParallelLinear, VocabParallelEmbedding
 from .model import _EXPERT, _checkpoint_names, _target, build_model, load_model, resolve_model_path
 from .quant import GGUF_LAYOUTS, QuantizedWeight, dequantize, gguf_blocks, quantize_fp8, quantize_int4, quantize_int8
@@ -20,9 +21,9 @@ from .quant import use_quantized_weight
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'LLAMA_CPP_ARCHS', 'GGUF_STAMP', 'FLOAT_TYPES', 'QUANTIZERS', 'Blocks', 'gguf_hf_config', 'GGUFTensor',
-           'is_gguf', 'gguf_config', 'gguf_model_dir', 'gguf_file_of', 'gguf_tensors', 'load_gguf', 'quantize_model',
-           'resolve_checkpoint', 'load_checkpoint']
+__all__ = ['log', 'LLAMA_CPP_ARCHS', 'LLAMA3_ROPE', 'GGUF_STAMP', 'FLOAT_TYPES', 'QUANTIZERS', 'Blocks', 'gguf_hf_config',
+           'GGUFTensor', 'is_gguf', 'gguf_config', 'gguf_model_dir', 'gguf_file_of', 'gguf_tensors', 'load_gguf',
+           'quantize_model', 'resolve_checkpoint', 'load_checkpoint']
 
 # %% ../nbs/07c_quant_load.ipynb #57226e28
 class Blocks:
@@ -92,6 +93,20 @@ def _layer_types(arch: str, num_layers: int, window: int) -> list[str] | None:
     every = 2 if arch == 'gemma2' else _GEMMA3_GLOBAL_EVERY
     return ['full_attention' if (i + 1) % every == 0 else 'sliding_attention' for i in range(num_layers)]
 
+LLAMA3_ROPE = {'low_freq_factor': 1.0, 'high_freq_factor': 4.0, 'original_max_position_embeddings': 8192}  # Llama 3.x's
+
+def _llama3_rope_scaling(reader, head_dim: int, theta: float) -> dict:
+    "The llama3 `rope_scaling` whose per-frequency factors are the file's `rope_freqs.weight`; ValueError if none is."
+    stored = next(t for t in reader.tensors if t.name == 'rope_freqs.weight')
+    factors = torch.from_numpy(np.array(stored.data, dtype=np.float32)).flatten()
+    scaling = {'rope_type': 'llama3', 'factor': float(factors.max()), **LLAMA3_ROPE}
+    expected = rope_inv_freq(head_dim, theta) / rope_inv_freq(head_dim, theta, scaling)
+    if factors.shape != expected.shape or not torch.allclose(factors, expected, rtol=1e-5):
+        raise ValueError('gguf: per-frequency rope factors (rope_freqs.weight) other than Llama 3\'s rope scaling '
+                         f"(factor {scaling['factor']:g}, low/high frequency factors 1 and 4, context 8192) "
+                         'are not supported')
+    return scaling
+
 def gguf_hf_config(reader) -> dict:
     "A `config.json` (transformers' keys) for a GGUF file's model, from its metadata read as llama.cpp reads it."
     arch = _field(reader, 'general.architecture')
@@ -105,9 +120,6 @@ def gguf_hf_config(reader) -> dict:
     if key('rope.dimension_count', head_dim) != head_dim:
         raise ValueError(f"gguf: {arch}: rotary embedding on {key('rope.dimension_count')} of {head_dim} dimensions "
                          'per head is not supported')
-    if 'rope_freqs.weight' in shapes:
-        raise ValueError(f'gguf: {arch}: per-frequency rope factors (rope_freqs.weight, Llama 3 rope scaling) '
-                         'are not supported')
     experts, window = key('expert_count', 0), key('attention.sliding_window', 0) if arch in _WINDOWED else 0
     architecture = 'MixtralForCausalLM' if arch == 'llama' and experts else LLAMA_CPP_ARCHS[arch]
     config = dict(architectures=[architecture], model_type=ARCHITECTURES[architecture],
@@ -123,6 +135,7 @@ def gguf_hf_config(reader) -> dict:
                   pad_token_id=_field(reader, 'tokenizer.ggml.padding_token_id'))
     if key('rope.scaling.type', 'none') != 'none':
         config['rope_scaling'] = {'rope_type': key('rope.scaling.type'), 'factor': key('rope.scaling.factor')}
+    if 'rope_freqs.weight' in shapes: config['rope_scaling'] = _llama3_rope_scaling(reader, head_dim, config['rope_theta'])
     if experts:   # llama.cpp renormalises the chosen experts' weights for both (Mixtral, Qwen3-MoE)
         config.update(num_local_experts=experts, num_experts=experts, num_experts_per_tok=key('expert_used_count'),
                       moe_intermediate_size=key('expert_feed_forward_length', key('feed_forward_length')),

@@ -15,6 +15,8 @@ from .pages import PageTable
 from .scheduler import StepOutput
 from .processes import free_port
 from .server.messages import LOG_LEVEL_ENV
+from .references import rope_inv_freq
+from .quant_load import LLAMA3_ROPE
 
 # %% auto #0
 __all__ = ['TINY_FAMILIES', 'LLAMA_CPP_SHAPES', 'save_tiny_model', 'save_tiny_gguf', 'FakeRunner', 'random_page_table',
@@ -98,7 +100,9 @@ def _unsaid(arch: str, cfg: dict) -> list[str]:
     config = ModelConfig.from_dict(cfg)
     n, scale = config.num_layers, config.query_pre_attn_scalar
     full_every = {'gemma2': 2, 'gemma3': 6}.get(arch)
-    unsaid = [f'rope scaling {config.rope_scaling}'] if config.rope_scaling else []
+    scaling = config.rope_scaling
+    llama3 = scaling == {'rope_type': 'llama3', 'factor': scaling and scaling.get('factor'), **LLAMA3_ROPE}
+    unsaid = [f'rope scaling {scaling}'] if scaling and not (arch == 'llama' and llama3) else []   # llama3: rope_freqs
     if config.sliding_windows and arch not in ('phi3', 'gemma2', 'gemma3'): unsaid.append('a sliding window')
     sliding = [bool(config.sliding_window(i)) for i in range(n)]
     if full_every and sliding != [(i + 1) % full_every > 0 for i in range(n)]:
@@ -201,6 +205,10 @@ def save_tiny_gguf(model_dir: str | Path,      # a directory with a tokenizer (`
         data = gguf.quants.quantize(np.ascontiguousarray(values), qtype)
         writer.add_tensor(gguf_name, data, raw_shape=values.shape if qtype.name in ('F32', 'F16') else None,
                           raw_dtype=qtype)
+    if config.rope_scaling:    # Llama 3's: per-frequency factors, as llama.cpp's converter stores them
+        theta, head_dim = config.rope_theta, config.head_dim
+        factors = rope_inv_freq(head_dim, theta) / rope_inv_freq(head_dim, theta, config.rope_scaling)
+        writer.add_tensor('rope_freqs.weight', factors.numpy(), raw_dtype=gguf.GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

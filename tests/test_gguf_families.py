@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
+from nanoserve.config import ModelConfig
 from nanoserve.engine import Engine
 from nanoserve.quant_load import gguf_model_dir
 from nanoserve.req import SamplingParams
@@ -101,3 +102,17 @@ def test_an_architecture_nanoserve_does_not_serve_is_named(tmp_path):
     renamed.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="architecture 'bloom' is not one nanoserve serves"):
         gguf_model_dir(renamed, tmp_path / 'cache')
+
+def test_llama3_rope_factors_are_read_as_llama3_scaling(tmp_path, monkeypatch):
+    "Llama 3.1 and 3.2 files store their rope scaling as per-frequency factors (`rope_freqs.weight`), not parameters."
+    monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'cache'))
+    scaling = {'rope_type': 'llama3', 'factor': 32.0, 'low_freq_factor': 1.0, 'high_freq_factor': 4.0,
+               'original_max_position_embeddings': 8192}
+    hf_dir = save_tiny_model(tmp_path / 'llama3', 'llama', seed=1, tokenizer=True, rope_theta=500000.0,
+                             rope_scaling=scaling)
+    gguf_file = save_tiny_gguf(hf_dir, tmp_path / 'llama3.gguf')
+    assert 'rope_freqs.weight' in {t.name for t in gguf.GGUFReader(gguf_file).tensors}
+    served = json.loads((gguf_model_dir(gguf_file) / 'config.json').read_text())
+    original = json.loads((hf_dir / 'config.json').read_text())
+    assert ModelConfig.from_dict(served).rope_scaling == ModelConfig.from_dict(original).rope_scaling
+    assert engine_greedy(gguf_file) == hf_greedy(hf_dir)
