@@ -17,9 +17,9 @@ from .app import EventStream, ReplyStream, chat_reply, chat_reqs
 
 # %% auto #0
 __all__ = ['ANTHROPIC_ERROR_TYPES', 'ANTHROPIC_IGNORED_FIELDS', 'anthropic_error_body', 'anthropic_error', 'CountTokensRequest',
-           'MessagesRequest', 'chat_messages', 'chat_tools', 'chat_tool_choice', 'chat_request', 'stop_reason',
-           'anthropic_usage', 'tool_use_id', 'anthropic_message', 'event', 'MessageStream', 'anthropic_events',
-           'anthropic_routes']
+           'MessagesRequest', 'chat_messages', 'chat_tools', 'chat_tool_choice', 'chat_request',
+           'anthropic_stop_reason', 'anthropic_usage', 'tool_use_id', 'anthropic_message', 'anthropic_event',
+           'MessageStream', 'anthropic_events', 'anthropic_routes']
 
 # %% ../../nbs/14h_anthropic.ipynb #a7e14806
 ANTHROPIC_ERROR_TYPES = {400: 'invalid_request_error', 401: 'authentication_error', 402: 'billing_error',
@@ -155,9 +155,8 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
         name, schema = tool.get('name'), tool.get('input_schema')
         if not isinstance(name, str) or not isinstance(schema, dict):
             raise ApiError(400, f'tools[{k}]: a tool needs a name and an input_schema object', 'tools')
-        function = {'name': name, 'parameters': schema}
-        if tool.get('description') is not None: function['description'] = tool['description']
-        functions.append({'type': 'function', 'function': function})
+        described = {'description': tool['description']} if tool.get('description') is not None else {}
+        functions.append({'type': 'function', 'function': {'name': name, **described, 'parameters': schema}})
     return functions
 
 def chat_tool_choice(choice: dict | None) -> tuple[Any, bool]:
@@ -208,7 +207,7 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate(fields)
 
 # %% ../../nbs/14h_anthropic.ipynb #a7e14811
-def stop_reason(finish_reason: str | None, chat_stop_reason: str | int | None) -> tuple[str, str | None]:
+def anthropic_stop_reason(finish_reason: str | None, chat_stop_reason: str | int | None) -> tuple[str, str | None]:
     "Anthropic's `stop_reason` and `stop_sequence` for a chat choice's `finish_reason` and `stop_reason`."
     if finish_reason == 'stop' and isinstance(chat_stop_reason, str): return 'stop_sequence', chat_stop_reason
     return {'length': 'max_tokens', 'tool_calls': 'tool_use'}.get(finish_reason, 'end_turn'), None
@@ -234,13 +233,13 @@ def anthropic_message(chat: dict) -> dict:
         content.append({'type': 'thinking', 'thinking': message['reasoning_content'], 'signature': ''})
     if message.get('content'): content.append({'type': 'text', 'text': message['content']})
     content += [_tool_use(call) for call in message.get('tool_calls') or []]
-    reason, sequence = stop_reason(choice['finish_reason'], choice.get('stop_reason'))
+    reason, sequence = anthropic_stop_reason(choice['finish_reason'], choice.get('stop_reason'))
     return {'id': 'msg_' + chat['id'].removeprefix('chatcmpl-'), 'type': 'message', 'role': 'assistant',
             'model': chat['model'], 'content': content, 'stop_reason': reason, 'stop_sequence': sequence,
             'usage': anthropic_usage(chat['usage'])}
 
 # %% ../../nbs/14h_anthropic.ipynb #a7e14814
-def event(data: dict) -> str:
+def anthropic_event(data: dict) -> str:
     "One named server-sent event, as Anthropic sends them: its `type` is the event's name."
     return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False, allow_nan=False)}\n\n"
 
@@ -255,22 +254,24 @@ class MessageStream:
         "`message_start` (with the prompt's usage, chat's shape) and a `ping`."
         message = {'id': self.id, 'type': 'message', 'role': 'assistant', 'model': self.model, 'content': [],
                    'stop_reason': None, 'stop_sequence': None, 'usage': anthropic_usage(usage)}
-        return [event({'type': 'message_start', 'message': message}), event({'type': 'ping'})]
+        return [anthropic_event({'type': 'message_start', 'message': message}),
+                anthropic_event({'type': 'ping'})]
 
     def _close(self) -> list[str]:
         if self.kind is None: return []
         self.kind = None
-        return [event({'type': 'content_block_stop', 'index': self.index})]
+        return [anthropic_event({'type': 'content_block_stop', 'index': self.index})]
 
     def _open(self, block: dict) -> list[str]:
         events = self._close()
         self.index, self.kind = self.index + 1, block['type']
-        return events + [event({'type': 'content_block_start', 'index': self.index, 'content_block': block})]
+        start = {'type': 'content_block_start', 'index': self.index, 'content_block': block}
+        return events + [anthropic_event(start)]
 
     def _delta(self, delta: dict, block: dict | None = None) -> list[str]:
         "A delta of the open block, after opening `block` if the open one is not of its type."
         events = self._open(block) if block is not None and self.kind != block['type'] else []
-        return events + [event({'type': 'content_block_delta', 'index': self.index, 'delta': delta})]
+        return events + [anthropic_event({'type': 'content_block_delta', 'index': self.index, 'delta': delta})]
 
     def chunk(self, chunk: dict) -> list[str]:
         "The events of one chat chunk."
@@ -291,16 +292,16 @@ class MessageStream:
                 if function.get('arguments') and self.kind == 'tool_use':
                     events += self._delta({'type': 'input_json_delta', 'partial_json': function['arguments']})
             if choice.get('finish_reason') is not None:
-                self.stop_reason, self.stop_sequence = stop_reason(choice['finish_reason'], choice.get('stop_reason'))
+                finish, chat_stop_reason = choice['finish_reason'], choice.get('stop_reason')
+                self.stop_reason, self.stop_sequence = anthropic_stop_reason(finish, chat_stop_reason)
                 events += self._close()
         return events
 
     def end(self) -> list[str]:
         "`message_delta` (the stop reason, the output tokens) and `message_stop`."
         delta = {'stop_reason': self.stop_reason, 'stop_sequence': self.stop_sequence}
-        return self._close() + [event({'type': 'message_delta', 'delta': delta,
-                                       'usage': {'output_tokens': self.output_tokens}}),
-                                event({'type': 'message_stop'})]
+        message_delta = {'type': 'message_delta', 'delta': delta, 'usage': {'output_tokens': self.output_tokens}}
+        return self._close() + [anthropic_event(message_delta), anthropic_event({'type': 'message_stop'})]
 
 async def anthropic_events(reply: ReplyStream) -> AsyncIterator[str]:
     "A chat reply stream as Anthropic's events; a failure midway is an `error` event, the last one."
@@ -308,7 +309,7 @@ async def anthropic_events(reply: ReplyStream) -> AsyncIterator[str]:
     for line in stream.start(reply.gen.usage(0)): yield line
     async for chunk in reply:
         if isinstance(chunk, ApiError):
-            yield event(anthropic_error_body(chunk))
+            yield anthropic_event(anthropic_error_body(chunk))
             return
         for line in stream.chunk(chunk): yield line
     for line in stream.end(): yield line

@@ -17,6 +17,7 @@ from .tokenizer import ReasoningSplitter, run_tokenizer_process
 from .scheduler import integrity_mode, run_scheduler_process
 from .frontend import MAX_REQUEST_BYTES, Frontend
 from .app import RouteInstaller, build_app
+from .anthropic import anthropic_routes
 from .tokens import token_routes
 
 # %% auto #0
