@@ -153,6 +153,15 @@ def test_tool_result_round_trip(claude, gpt):
     counted = claude.messages.count_tokens(model='tiny', messages=messages, tools=[WEATHER_TOOL])
     assert counted.input_tokens == usage.prompt_tokens
 
+def test_output_format_is_chats_json_schema(claude, gpt):
+    schema = {'type': 'object', 'properties': {'answer': {'enum': ['yes', 'no', 'maybe']}}, 'required': ['answer'],
+              'additionalProperties': False}
+    m = claude.messages.create(model='tiny', max_tokens=20, system=SYSTEM, messages=HELLO, extra_body=GREEDY,
+                               output_config={'format': {'type': 'json_schema', 'schema': schema}})
+    assert json.loads(text_of(m))['answer'] in ('yes', 'no', 'maybe') and m.stop_reason == 'end_turn'
+    choice, _ = chat(gpt, HELLO, 20, response_format={'type': 'json_schema', 'json_schema': {'name': 'o', 'schema': schema}})
+    assert text_of(m) == choice.message.content
+
 def test_count_tokens_is_the_chat_prompt(claude, gpt):
     _, usage = chat(gpt, HELLO, 1)
     assert claude.messages.count_tokens(model='tiny', system=SYSTEM, messages=HELLO).input_tokens == usage.prompt_tokens
