@@ -23,9 +23,9 @@ __all__ = ['ANTHROPIC_ERROR_TYPES', 'ANTHROPIC_IGNORED_FIELDS', 'anthropic_error
 
 # %% ../../nbs/14h_anthropic.ipynb #a7e14806
 ANTHROPIC_ERROR_TYPES = {400: 'invalid_request_error', 401: 'authentication_error', 402: 'billing_error',
-                         403: 'permission_error', 404: 'not_found_error', 413: 'request_too_large',
-                         429: 'rate_limit_error', 500: 'api_error', 503: 'overloaded_error', 504: 'timeout_error',
-                         529: 'overloaded_error'}
+                         403: 'permission_error', 404: 'not_found_error', 409: 'conflict_error',
+                         413: 'request_too_large', 429: 'rate_limit_error', 500: 'api_error', 503: 'overloaded_error',
+                         504: 'timeout_error', 529: 'overloaded_error'}
 
 def anthropic_error_body(error: ApiError) -> dict:
     "`error` in Anthropic's envelope; a status it has no type for is an invalid request (4xx) or an API error (5xx)."
