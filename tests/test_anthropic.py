@@ -186,6 +186,7 @@ def test_wrong_key_is_401_in_anthropics_envelope(server):
     ({'model': 'tiny', 'max_tokens': 4, 'messages': [{'role': 'system', 'content': 'Hi'}]}, 'role'),
     ({'model': 'tiny', 'max_tokens': 4, 'messages': HELLO, 'frobnicate': 1}, 'frobnicate'),
     ({'model': 'tiny', 'max_tokens': 4, 'messages': HELLO, 'temperature': -1}, 'temperature'),
+    ({'model': 'tiny', 'max_tokens': 4, 'messages': HELLO, 'stop_sequences': ['']}, 'stop_sequences'),
     ({'model': 'tiny', 'max_tokens': 4, 'messages': HELLO, 'tools': [WEATHER_TOOL],
       'tool_choice': {'type': 'tool', 'name': 'nope'}}, 'tool_choice')])
 def test_bad_input_is_400_invalid_request(server, body, named):

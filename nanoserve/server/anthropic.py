@@ -11,13 +11,13 @@ from fastapi.responses import JSONResponse
 from pydantic import ConfigDict, model_validator
 from ..req import MAX_QUOTED, quoted
 from .messages import TokenizeReq
-from .protocol import ApiError, ChatCompletionRequest, _BoundedNesting
+from .protocol import MAX_JSON_DEPTH, ApiError, ChatCompletionRequest, _BoundedNesting, json_depth
 from .frontend import Frontend
 from .app import EventStream, ReplyStream, chat_reply, chat_reqs
 
 # %% auto #0
 __all__ = ['ANTHROPIC_ERROR_TYPES', 'ANTHROPIC_IGNORED_FIELDS', 'anthropic_error_body', 'anthropic_error', 'CountTokensRequest',
-           'MessagesRequest', 'chat_messages', 'chat_tools', 'chat_tool_choice', 'chat_request',
+           'MessagesRequest', 'chat_messages', 'chat_tools', 'chat_tool_choice', 'chat_request', 'in_anthropic_terms',
            'anthropic_stop_reason', 'anthropic_usage', 'tool_use_id', 'anthropic_message', 'anthropic_event',
            'MessageStream', 'anthropic_events', 'anthropic_routes']
 
@@ -155,17 +155,22 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
         name, schema = tool.get('name'), tool.get('input_schema')
         if not isinstance(name, str) or not isinstance(schema, dict):
             raise ApiError(400, f'tools[{k}]: a tool needs a name and an input_schema object', 'tools')
+        if json_depth(schema) > MAX_JSON_DEPTH:     # as chat's: and before chat's tool, a level deeper, is built
+            raise ApiError(400, f'tools[{k}]: input_schema nests deeper than {MAX_JSON_DEPTH} levels', 'tools')
         described = {'description': tool['description']} if tool.get('description') is not None else {}
         functions.append({'type': 'function', 'function': {'name': name, **described, 'parameters': schema}})
     return functions
 
-def chat_tool_choice(choice: dict | None) -> tuple[Any, bool]:
-    "Anthropic's `tool_choice` as chat's `tool_choice` and `parallel_tool_calls`."
+def chat_tool_choice(choice: dict | None, tools: list[dict] | None) -> tuple[Any, bool]:
+    "Anthropic's `tool_choice` as chat's `tool_choice` and `parallel_tool_calls` (`tools`: chat's)."
     if choice is None: return None, True
     kind, parallel = choice.get('type'), not choice.get('disable_parallel_tool_use', False)
-    if kind == 'tool': return {'type': 'function', 'function': {'name': choice.get('name')}}, parallel
+    if kind == 'tool':
+        if choice.get('name') not in [tool['function']['name'] for tool in tools or []]:
+            raise ApiError(400, f"tool_choice: names no tool of tools, got {quoted(choice.get('name'))}", 'tool_choice')
+        return {'type': 'function', 'function': {'name': choice['name']}}, parallel
     named = {'auto': 'auto', 'any': 'required', 'none': 'none'}
-    if kind not in named:
+    if not isinstance(kind, str) or kind not in named:
         raise ApiError(400, f"tool_choice: type must be 'auto', 'any', 'tool' or 'none', got {quoted(kind)}",
                        'tool_choice')
     return named[kind], parallel
@@ -195,8 +200,9 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     messages = chat_messages(body)
     last = messages[-1] if messages else {}
     prefill = last.get('role') == 'assistant' and 'tool_calls' not in last   # the reply continues it
-    tool_choice, parallel = chat_tool_choice(body.tool_choice)
-    fields = dict(model=body.model, messages=messages, tools=chat_tools(body.tools), tool_choice=tool_choice,
+    tools = chat_tools(body.tools)
+    tool_choice, parallel = chat_tool_choice(body.tool_choice, tools)
+    fields = dict(model=body.model, messages=messages, tools=tools, tool_choice=tool_choice,
                   parallel_tool_calls=parallel, response_format=_response_format(body.output_config),
                   chat_template_kwargs=_template_kwargs(body.thinking), add_generation_prompt=not prefill,
                   continue_final_message=prefill)
@@ -205,6 +211,15 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
                       top_p=body.top_p, top_k=body.top_k, stream=body.stream,
                       stream_options={'include_usage': True} if body.stream else None)
     return ChatCompletionRequest.model_validate(fields)
+
+_FIELDS_FROM = {'stop': 'stop_sequences', 'response_format': 'output_config', 'chat_template_kwargs': 'thinking'}
+
+def in_anthropic_terms(error: ApiError) -> ApiError:
+    "A refusal by chat that names a field by chat's name, renamed to the field of the Messages body it came from."
+    name = _FIELDS_FROM.get(error.param)
+    if name is None: return error
+    message = name + error.message[len(error.param):] if error.message.startswith(error.param) else error.message
+    return ApiError(error.status, message, name, error.code)
 
 # %% ../../nbs/14h_anthropic.ipynb #a7e14811
 def anthropic_stop_reason(finish_reason: str | None, chat_stop_reason: str | int | None) -> tuple[str, str | None]:
@@ -321,7 +336,8 @@ def anthropic_routes(app: FastAPI, frontend: Frontend):
 
     @app.post('/v1/messages')
     async def messages(body: MessagesRequest, request: Request):
-        reply = await chat_reply(frontend, request, chat_request(body))
+        try: reply = await chat_reply(frontend, request, chat_request(body))
+        except ApiError as e: raise in_anthropic_terms(e) from None
         if isinstance(reply, ReplyStream): return EventStream(anthropic_events(reply), reply.close)
         if isinstance(reply, dict): return JSONResponse(anthropic_message(reply))
         return reply                    # the client left (499)
@@ -329,9 +345,11 @@ def anthropic_routes(app: FastAPI, frontend: Frontend):
     @app.post('/v1/messages/count_tokens')
     async def count_tokens(body: CountTokensRequest):
         frontend.check_model(body.model)
-        [req], _, _ = chat_reqs(chat_request(body))
-        answer = await frontend.lookup(TokenizeReq(
-            f'count-{uuid.uuid4().hex}', messages=req.messages, tools=req.tools,
-            add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
-            chat_template_kwargs=req.chat_template_kwargs))
+        try:
+            [req], _, _ = chat_reqs(chat_request(body))
+            answer = await frontend.lookup(TokenizeReq(
+                f'count-{uuid.uuid4().hex}', messages=req.messages, tools=req.tools,
+                add_generation_prompt=req.add_generation_prompt, continue_final_message=req.continue_final_message,
+                chat_template_kwargs=req.chat_template_kwargs))
+        except ApiError as e: raise in_anthropic_terms(e) from None
         return {'input_tokens': len(answer.tokens)}
