@@ -8,8 +8,8 @@ __all__ = []
 # %% ../../nbs/14_server.ipynb #a1e0c0d1
 import importlib
 
-_SEAMS = ('messages', 'protocol', 'tokenizer', 'scheduler', 'frontend', 'app', 'responses', 'tokens',
-          'launch')   # chapters 14a to 14k
+_SEAMS = ('messages', 'protocol', 'tokenizer', 'scheduler', 'frontend', 'app', 'responses', 'anthropic', 'tokens',
+          'launch')   # chapters 14a to 14k (the playground, 14j, is a page: its module serves it)
 
 def __getattr__(name: str):
     "A seam's module, or a public name of one (`from nanoserve.server import run_server`), imported on first use."

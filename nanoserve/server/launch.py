@@ -18,6 +18,7 @@ from .scheduler import integrity_mode, run_scheduler_process
 from .frontend import MAX_REQUEST_BYTES, Frontend
 from .app import RouteInstaller, build_app
 from .responses import responses_routes
+from .anthropic import anthropic_routes
 from .tokens import token_routes
 
 # %% auto #0
@@ -182,7 +183,7 @@ class _Server(uvicorn.Server):
 
 def api_routes(ui: bool = True) -> list[RouteInstaller]:
     "The routes beyond OpenAI's completions and chat (chapters 14g to 14j); `ui=False` leaves out the playground."
-    return [responses_routes, token_routes]
+    return [responses_routes, anthropic_routes, token_routes]
 
 def http_server(frontend: Frontend, api_keys: Sequence[str] = (), host: str = '127.0.0.1', port: int = 8000,
                 log_level: str = 'warning', drain_timeout: float = 0.0, max_request_bytes: int = MAX_REQUEST_BYTES,
