@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 from fastapi import FastAPI
+from pydantic import ConfigDict
 from .. import __version__
 from .messages import TokenizeReq
 from .protocol import ApiError, ToolCalling, _BoundedNesting
@@ -18,6 +19,7 @@ __all__ = ['TokenizeRequest', 'DetokenizeRequest', 'tokenize_req', 'token_routes
 # %% ../../nbs/14i_tokens.ipynb #561b9215
 class TokenizeRequest(_BoundedNesting):
     "The body of `POST /tokenize`: a prompt or chat messages."
+    model_config = ConfigDict(extra='forbid')   # a field it does not know is a 400 naming it, never ignored
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
@@ -30,6 +32,7 @@ class TokenizeRequest(_BoundedNesting):
 
 class DetokenizeRequest(_BoundedNesting):
     "The body of `POST /detokenize`."
+    model_config = ConfigDict(extra='forbid')
     model: str | None = None
     tokens: list[int]
 
