@@ -135,7 +135,8 @@ def gguf_hf_config(reader) -> dict:
                   pad_token_id=_field(reader, 'tokenizer.ggml.padding_token_id'))
     if key('rope.scaling.type', 'none') != 'none':
         config['rope_scaling'] = {'rope_type': key('rope.scaling.type'), 'factor': key('rope.scaling.factor')}
-    if 'rope_freqs.weight' in shapes: config['rope_scaling'] = _llama3_rope_scaling(reader, head_dim, config['rope_theta'])
+    if 'rope_freqs.weight' in shapes:   # Llama 3.1 and 3.2: the scaling as per-frequency factors
+        config['rope_scaling'] = _llama3_rope_scaling(reader, head_dim, config['rope_theta'])
     if experts:   # llama.cpp renormalises the chosen experts' weights for both (Mixtral, Qwen3-MoE)
         config.update(num_local_experts=experts, num_experts=experts, num_experts_per_tok=key('expert_used_count'),
                       moe_intermediate_size=key('expert_feed_forward_length', key('feed_forward_length')),

@@ -143,7 +143,8 @@ def chat_reqs(body: ChatCompletionRequest) -> tuple[list[GenerateReq], SamplingP
                       chat_template_kwargs=body.chat_template_kwargs)
     return [req], sp, tools
 
-async def chat_reply(frontend: Frontend, request: Request, body: ChatCompletionRequest) -> dict | ReplyStream | Response:
+async def chat_reply(frontend: Frontend, request: Request,
+                     body: ChatCompletionRequest) -> dict | ReplyStream | Response:
     "A chat completion as `openai_reply` gives it: the seam the other APIs (chapters 14g and 14h) go through."
     frontend.check_model(body.model)
     reqs, sp, tools = chat_reqs(body)

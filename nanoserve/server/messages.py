@@ -142,7 +142,7 @@ class TextOut:
     prompt_text: str | None = None        # with a choice's first text, when the request echoes its prompt
     prompt_logprobs: list | None = None   # with a choice's first text, when asked: per prompt token [id, token string,
                                           # logprob, [[top id, top string, logprob], ...]], the first logprob None
-    reasoning: str = ''                   # the delta of the model's thinking (`--reasoning-parser`); `text` is its answer
+    reasoning: str = ''                   # the model's thinking (`--reasoning-parser`), apart from `text`, its answer
 
 @message
 class TokenizeOut:
