@@ -19,8 +19,8 @@ from .references import rope_inv_freq
 from .quant_load import LLAMA3_ROPE
 
 # %% auto #0
-__all__ = ['TINY_FAMILIES', 'LLAMA_CPP_SHAPES', 'save_tiny_model', 'save_tiny_gguf', 'FakeRunner', 'random_page_table',
-           'ServerProcess', 'wait_until', 'process_gone', 'use_triton_interpreter']
+__all__ = ['TINY_FAMILIES', 'LLAMA_CPP_SHAPES', 'save_tiny_model', 'hf_greedy', 'save_tiny_gguf', 'FakeRunner',
+           'random_page_table', 'ServerProcess', 'wait_until', 'process_gone', 'use_triton_interpreter']
 
 # %% ../nbs/95_testing.ipynb #35a35c63
 _CORPUS = ("The quick brown fox jumps over the lazy dog. A small engine serves a large model, one token at a time. "
@@ -77,6 +77,20 @@ def save_tiny_model(path: str | Path, arch: str = 'llama', seed: int = 0, tokeni
     finally:
         if bars: hf_logging.enable_progress_bar()
     return path
+
+# %% ../nbs/95_testing.ipynb #7a7b99ad
+def hf_greedy(path: str | Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    "transformers' greedy tokens for each prompt of ids, with its eager attention (the reference implementation)."
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation='eager').eval()
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            new = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+            out.append(new[0, len(prompt):].tolist())
+    return out
 
 # %% ../nbs/95_testing.ipynb #c7a1e002
 _LLAMA_CPP_ARCHS = {'LlamaForCausalLM': 'llama', 'MistralForCausalLM': 'llama', 'MixtralForCausalLM': 'llama',

@@ -3,32 +3,20 @@ weights: greedy tokens equal at page sizes 1 and 16, with a cold and a warm pref
 and the torch reference, for prompts that run past the sliding window (16 positions) where the family has one; and
 with tensor parallelism over 2 ranks for a windowed family, a mixture of experts and OLMo 2's all-heads q/k norm."""
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 from nanoserve.engine import Engine
 from nanoserve.req import SamplingParams
-from nanoserve.testing import TINY_FAMILIES, save_tiny_model
+from nanoserve.testing import TINY_FAMILIES, hf_greedy, save_tiny_model
 
 PROMPTS = [list(range(3, 40)), [5, 6, 7], list(range(100, 120)) * 2]   # 37, 3 and 40 tokens
 N = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
 
-def hf_greedy(path) -> list[list[int]]:
-    "transformers' greedy tokens for PROMPTS, with its eager attention (the reference implementation)."
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation='eager').eval()
-    out = []
-    with torch.inference_mode():
-        for p in PROMPTS:
-            ids = torch.tensor([p])
-            new = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-            out.append(new[0, len(p):].tolist())
-    return out
+def hf_greedy_prompts(path) -> list[list[int]]: return hf_greedy(path, PROMPTS, N)
 
 @pytest.fixture(scope='module', params=sorted(TINY_FAMILIES))
 def family(request, tmp_path_factory):
     path = save_tiny_model(tmp_path_factory.mktemp(request.param) / 'model', request.param, seed=3)
-    return request.param, path, hf_greedy(path)
+    return request.param, path, hf_greedy_prompts(path)
 
 @pytest.mark.parametrize('backend', ['auto', 'torch'])
 @pytest.mark.parametrize('page_size', [1, 16])
@@ -46,7 +34,7 @@ def test_tensor_parallel_equals_transformers(name, tmp_path):
     from nanoserve.tp import TPEngine
     path = save_tiny_model(tmp_path / name, name, seed=3)
     with TPEngine(model=str(path), device='cpu', page_size=4, num_pages=1024, tensor_parallel_size=2) as tp:
-        assert [r.output_ids for r in tp.generate(PROMPTS, GREEDY)] == hf_greedy(path)
+        assert [r.output_ids for r in tp.generate(PROMPTS, GREEDY)] == hf_greedy_prompts(path)
 
 def test_readme_lists_every_family():
     from pathlib import Path
@@ -69,13 +57,6 @@ def test_windowed_kv_memory_stays_flat(tmp_path):
     # the prompt's 4 whole pages, held by the prefix cache, and the window's 4 pages and the one being filled
     assert max(used[30:]) <= 17 // 4 + 16 // 4 + 1
     assert max(used) < (17 + 150) // 4            # far below what the whole sequence would hold
-    hf = hf_greedy_long(path, list(range(3, 20)), 150)
+    [hf] = hf_greedy(path, [list(range(3, 20))], 150)
     assert req.output_ids == hf
 
-def hf_greedy_long(path, prompt, n) -> list[int]:
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation='eager').eval()
-    with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()

@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 from nanoserve.config import ModelConfig
 from nanoserve.engine import Engine
 from nanoserve.quant_load import gguf_model_dir
 from nanoserve.req import SamplingParams
-from nanoserve.testing import LLAMA_CPP_SHAPES, TINY_FAMILIES, save_tiny_gguf, save_tiny_model
+from nanoserve.testing import LLAMA_CPP_SHAPES, TINY_FAMILIES, hf_greedy, save_tiny_gguf, save_tiny_model
 
 PROMPTS = [list(range(3, 40)), [5, 6, 7]]   # 37 tokens: past the 16-position window
 N = 16
@@ -24,16 +23,7 @@ GGUF_SHAPES = {family: (LLAMA_CPP_SHAPES[family], quant_type) for family, quant_
     ('llama', 'F16'), ('mistral', 'F32'), ('qwen2', 'Q8_0'), ('qwen3', 'F16'), ('phi3', 'Q8_0'), ('olmo2', 'F32'),
     ('gemma2', 'F16'), ('gemma3_text', 'Q8_0'), ('mixtral', 'F32'), ('qwen3_moe', 'Q8_0'))}
 
-def hf_greedy(path) -> list[list[int]]:
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation='eager').eval()
-    out = []
-    with torch.inference_mode():
-        for p in PROMPTS:
-            ids = torch.tensor([p])
-            new = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-            out.append(new[0, len(p):].tolist())
-    return out
+def hf_greedy_prompts(path) -> list[list[int]]: return hf_greedy(path, PROMPTS, N)
 
 def rounded_copy(hf_dir, out, quant_type: str):
     "The checkpoint with each weight `save_tiny_gguf` stores in `quant_type` replaced by its round trip through it."
@@ -69,7 +59,7 @@ def test_gguf_greedy_equals_transformers(family, tmp_path, monkeypatch):
     hf_dir = save_tiny_model(tmp_path / family, family, seed=1, tokenizer=True, **overrides)
     if overrides.get('tie_word_embeddings'): shrink_embedding(hf_dir)
     gguf_file = save_tiny_gguf(hf_dir, tmp_path / f'{family}.gguf', quant_type)
-    reference = hf_greedy(hf_dir if quant_type == 'F32' else rounded_copy(hf_dir, tmp_path / 'rounded', quant_type))
+    reference = hf_greedy_prompts(hf_dir if quant_type == 'F32' else rounded_copy(hf_dir, tmp_path / 'rounded', quant_type))
     assert len({t for r in reference for t in r}) > 5, 'the reference should not be a constant'
     assert engine_greedy(gguf_file) == reference
 
@@ -80,7 +70,7 @@ def test_experts_one_tensor_each(tmp_path, monkeypatch):
     gguf_file = save_tiny_gguf(hf_dir, tmp_path / 'mixtral.gguf', merge_experts=False)
     names = {t.name for t in gguf.GGUFReader(gguf_file).tensors}
     assert 'blk.0.ffn_gate.3.weight' in names and 'blk.0.ffn_gate_exps.weight' not in names
-    assert engine_greedy(gguf_file) == hf_greedy(hf_dir)
+    assert engine_greedy(gguf_file) == hf_greedy_prompts(hf_dir)
 
 def test_what_llama_cpp_cannot_say_is_refused(tmp_path):
     mistral = save_tiny_model(tmp_path / 'mistral', 'mistral', tokenizer=True)   # a window of 16
@@ -115,4 +105,4 @@ def test_llama3_rope_factors_are_read_as_llama3_scaling(tmp_path, monkeypatch):
     served = json.loads((gguf_model_dir(gguf_file) / 'config.json').read_text())
     original = json.loads((hf_dir / 'config.json').read_text())
     assert ModelConfig.from_dict(served).rope_scaling == ModelConfig.from_dict(original).rope_scaling
-    assert engine_greedy(gguf_file) == hf_greedy(hf_dir)
+    assert engine_greedy(gguf_file) == hf_greedy_prompts(hf_dir)

@@ -8,10 +8,9 @@ import json, uuid
 from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import ConfigDict, model_validator
 from ..req import MAX_QUOTED, quoted
 from .messages import TokenizeReq
-from .protocol import MAX_JSON_DEPTH, ApiError, ChatCompletionRequest, _BoundedNesting, json_depth
+from .protocol import MAX_JSON_DEPTH, ApiError, ChatCompletionRequest, ClientBody, json_depth
 from .frontend import Frontend
 from .app import EventStream, ReplyStream, chat_reply, chat_reqs
 
@@ -49,17 +48,8 @@ ANTHROPIC_IGNORED_FIELDS = {   # fields of Anthropic's Messages API accepted and
     'workspace_id': 'the workspace Anthropic attributes the request to',
 }
 
-class CountTokensRequest(_BoundedNesting):
+class CountTokensRequest(ClientBody):
     "The body of `POST /v1/messages/count_tokens`: a conversation, as `POST /v1/messages` takes it."
-    model_config = ConfigDict(extra='allow')   # kept, to refuse by name (`chat_request`)
-
-    @model_validator(mode='before')
-    @classmethod
-    def _null_is_unset(cls, data):
-        "A field sent as null is a field not sent (some clients send null for what they leave unset)."
-        if not isinstance(data, dict): return data
-        return {name: value for name, value in data.items() if value is not None or name not in cls.model_fields}
-
     model: str
     messages: list[dict[str, Any]]
     system: str | list[dict[str, Any]] | None = None

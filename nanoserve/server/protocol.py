@@ -16,7 +16,7 @@ from .messages import ErrorOut, GenerateReq, TextOut, encode
 # %% auto #0
 __all__ = ['CONTEXT_ERROR', 'MAX_JSON_DEPTH', 'MAX_BODY_DEPTH', 'IGNORED_FIELDS', 'MAX_N', 'MAX_PROMPTS', 'MAX_STOP',
            'MAX_STOP_CHARS', 'MAX_LOGIT_BIAS_ENTRIES', 'MAX_ALLOWED_TOKEN_IDS', 'MAX_GRAMMAR_CHARS', 'MAX_TOOLS',
-           'MAX_TOOL_CALLS', 'SSE_DONE', 'ApiError', 'error_from_value', 'json_depth', 'StreamOptions',
+           'MAX_TOOL_CALLS', 'SSE_DONE', 'ApiError', 'error_from_value', 'json_depth', 'StreamOptions', 'ClientBody',
            'CompletionRequest', 'ChatCompletionRequest', 'sampling_params_from', 'structured_outputs_from',
            'ToolCalling', 'ToolCallStream', 'validation_error', 'encode_request', 'sse', 'Choice', 'ResponseFormat',
            'usage_dict', 'top_choices']
@@ -93,9 +93,9 @@ IGNORED_FIELDS = {   # OpenAI's request fields with no meaning for a local serve
     'suffix': 'text after the completion (fill-in-the-middle); the completion is generated without it',
 }
 
-class _SamplingRequest(_BoundedNesting):
-    "Fields shared by completions and chat."
-    model_config = ConfigDict(extra='allow')   # kept, to refuse by name (`_refuse_unsupported`)
+class ClientBody(_BoundedNesting):
+    "A body as clients send it: a field sent as null is unset; an unknown field is kept, to be refused by name."
+    model_config = ConfigDict(extra='allow')
 
     @model_validator(mode='before')
     @classmethod
@@ -104,6 +104,8 @@ class _SamplingRequest(_BoundedNesting):
         if not isinstance(data, dict): return data
         return {name: value for name, value in data.items() if value is not None or name not in cls.model_fields}
 
+class _SamplingRequest(ClientBody):
+    "Fields shared by completions and chat (an unknown field is refused by name: `_refuse_unsupported`)."
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None

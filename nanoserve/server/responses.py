@@ -9,9 +9,8 @@ from collections import OrderedDict
 from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import ConfigDict, model_validator
 from ..req import MAX_QUOTED, quoted
-from .protocol import ApiError, ChatCompletionRequest, _BoundedNesting
+from .protocol import ApiError, ChatCompletionRequest, ClientBody
 from .frontend import Frontend
 from .app import EventStream, ReplyStream, chat_reply
 
@@ -37,17 +36,8 @@ IGNORED_RESPONSE_FIELDS = {   # Responses request fields with no meaning for a l
     'text.verbosity': "how long OpenAI's GPT-5 models answer",
 }
 
-class ResponsesRequest(_BoundedNesting):
-    "The body of `POST /v1/responses`."
-    model_config = ConfigDict(extra='allow')   # kept, to refuse by name unless `IGNORED_RESPONSE_FIELDS` has it
-
-    @model_validator(mode='before')
-    @classmethod
-    def _null_is_unset(cls, data):
-        "A field sent as null is a field not sent: its default applies (SDKs send null for what they leave unset)."
-        if not isinstance(data, dict): return data
-        return {name: value for name, value in data.items() if value is not None or name not in cls.model_fields}
-
+class ResponsesRequest(ClientBody):
+    "The body of `POST /v1/responses` (an unknown field is refused by name unless `IGNORED_RESPONSE_FIELDS` has it)."
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None        # a system message before everything else (not carried to a follow-up)
