@@ -16,7 +16,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 from .server.messages import AbortReq, ErrorOut, GenerateReq, log
 from .server.protocol import ApiError
 from .server.frontend import MAX_REQUEST_BYTES, Frontend, Generation, ServerMetrics
-from .server.launch import Workers, api_keys, http_server
+from .server.launch import Workers, api_keys, api_routes, http_server
 from .cli import RAY_LOOPBACK_ENV, is_loopback
 from .bench import Workload
 
@@ -344,6 +344,7 @@ def serve_replicas(model: str, host: str = '127.0.0.1', port: int = 8000, served
                    watchdog_timeout: float = 60.0, integrity_check: str | None = None, drain_timeout: float = 20.0,
                    ssl_keyfile: str | None = None, ssl_certfile: str | None = None, root_path: str = '',
                    timeout_keep_alive: float = 5.0, limit_concurrency: int | None = None, log_level: str = 'warning',
+                   ui: bool = True,                      # serve the playground page at / (`--no-ui`: False)
                    **engine_kwargs):
     "Serve `model` with OpenAI's API at http://host:port from engine replicas on Ray Serve, until Ctrl-C or SIGTERM."
     path, name = os.path.expanduser(model), served_model_name or model
@@ -367,7 +368,7 @@ def serve_replicas(model: str, host: str = '127.0.0.1', port: int = 8000, served
         engine = serve.run(app, name=APP_NAME, route_prefix=None)
         frontend = ReplicaFrontend(name, engine, stream_backlog)
         http_server(frontend, api_keys(api_key), host, port, log_level, drain_timeout, max_request_bytes, body_timeout,
-                    timeout_keep_alive, limit_concurrency, ssl_keyfile, ssl_certfile, root_path).run()
+                    timeout_keep_alive, limit_concurrency, ssl_keyfile, ssl_certfile, root_path, api_routes(ui)).run()
     except KeyboardInterrupt: pass
     finally:
         if ray_address is None: serve.shutdown()
