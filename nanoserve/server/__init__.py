@@ -8,7 +8,8 @@ __all__ = []
 # %% ../../nbs/14_server.ipynb #a1e0c0d1
 import importlib
 
-_SEAMS = ('messages', 'protocol', 'tokenizer', 'scheduler', 'frontend', 'app', 'tokens', 'playground', 'launch')   # 14a to 14k
+_SEAMS = ('messages', 'protocol', 'tokenizer', 'scheduler', 'frontend', 'app', 'tokens', 'playground',
+          'launch')   # chapters 14a to 14k
 
 def __getattr__(name: str):
     "A seam's module, or a public name of one (`from nanoserve.server import run_server`), imported on first use."
