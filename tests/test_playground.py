@@ -133,7 +133,7 @@ def test_streamed_answers_are_the_greedy_replies_and_the_panel_counts_them(playg
     assert page.evaluate("localStorage.getItem('nanoserve.apiKey')") == KEY
     page.fill('#system', 'You are a terse assistant.')
     playground.set_knobs(temperature=0, top_p=1, max_tokens=12, seed='')
-    page.wait_for_function("!isNaN(parseFloat(document.getElementById('m-gen').textContent))")   # polled once
+    page.wait_for_function("() => !isNaN(parseFloat(document.getElementById('m-gen').textContent))")   # polled once
     knobs = {'model': 'tiny', 'temperature': 0, 'top_p': 1, 'max_tokens': 12}
     messages = [{'role': 'system', 'content': 'You are a terse assistant.'}]
     for question in ('What is the capital of France?', 'And of Italy?'):
@@ -151,7 +151,7 @@ def test_streamed_answers_are_the_greedy_replies_and_the_panel_counts_them(playg
         messages.append({'role': 'assistant', 'content': answer})                 # the next turn sends it back
     generated = metric(server, 'nanoserve:generation_tokens_total')              # nothing else is generating now
     page.wait_for_function('n => Number(document.getElementById("m-gen").textContent) === n', arg=generated)
-    page.wait_for_function("parseFloat(document.getElementById('m-peak').textContent) > 0")   # the chart's tokens/s
+    page.wait_for_function("() => parseFloat(document.getElementById('m-peak').textContent) > 0")   # chart's tokens/s
     assert page.locator('.msg').count() == 4
     page.screenshot(path=str(tmp_path / 'playground.png'))
     page.click('#clear')
@@ -181,16 +181,16 @@ def test_json_schema_mode_answers_json_that_fits(playground, server):
 
 def test_refusals_show_the_servers_message(playground, server):
     page = playground.page
-    page.wait_for_function("document.getElementById('error').textContent.includes('401')")   # the models, keyless
+    page.wait_for_function("() => document.getElementById('error').textContent.includes('401')")   # the models, keyless
     page.fill('#prompt', 'Hello?')
     page.click('#send')
-    page.wait_for_function("document.getElementById('error').textContent.startsWith('401: a valid API key')")
+    page.wait_for_function("() => document.getElementById('error').textContent.startsWith('401: a valid API key')")
     assert page.locator('.msg').count() == 0 and page.input_value('#prompt') == 'Hello?'   # the turn taken back
     playground.set_key(KEY)
     playground.set_knobs(temperature=-1)
     page.click('#send')
     expected = chat(server, {'messages': [{'role': 'user', 'content': 'Hello?'}], 'temperature': -1}).json()['error']
-    page.wait_for_function("document.getElementById('error').textContent.startsWith('400: ')")
+    page.wait_for_function("() => document.getElementById('error').textContent.startsWith('400: ')")
     assert playground.text('#error') == f"400: {expected['message']}" and 'temperature' in expected['message']
 
 def test_stop_aborts_the_generation_on_the_server(playground, server):
@@ -239,8 +239,9 @@ def test_the_panel_adds_up_replicas_counts_and_averages_their_fractions(browser,
     "What a server of replicas serves at /metrics (chapter 17): each replica's own metrics, under a `replica` label."
     replicas = pytest.importorskip('nanoserve.replicas', reason='ray is not installed (the nanoserve[ray] extra)')
     from prometheus_client import CollectorRegistry, generate_latest
-    stats = {'r0': {'running': 2, 'waiting': 1, 'num_pages': 10, 'free_pages': 8, 'prefix_queries': 4, 'prefix_hits': 1},
-             'r1': {'running': 3, 'waiting': 0, 'num_pages': 10, 'free_pages': 4, 'prefix_queries': 4, 'prefix_hits': 2}}
+    pages = {'num_pages': 10, 'prefix_queries': 4}
+    stats = {'r0': {**pages, 'running': 2, 'waiting': 1, 'free_pages': 8, 'prefix_hits': 1},
+             'r1': {**pages, 'running': 3, 'waiting': 0, 'free_pages': 4, 'prefix_hits': 2}}
     reports = {name: {'metrics': ServerMetrics('tiny', lambda s=s: s).render().decode()} for name, s in stats.items()}
     registry = CollectorRegistry()
     registry.register(replicas.ReplicaCollector(lambda: reports, set()))
@@ -250,7 +251,7 @@ def test_the_panel_adds_up_replicas_counts_and_averages_their_fractions(browser,
     try:
         pg.page.route('**/metrics', lambda route: route.fulfill(body=text, content_type='text/plain'))
         pg.page.reload()
-        pg.page.wait_for_function("document.getElementById('m-running').textContent === '5'")
+        pg.page.wait_for_function("() => document.getElementById('m-running').textContent === '5'")
         shown = [pg.text(f'#m-{name}') for name in ('running', 'waiting', 'kv', 'hit')]
         assert shown == ['5', '1', '40.0 %', '37.5 %'], shown       # kv: (0.2 + 0.6) / 2; hits: (1/4 + 2/4) / 2
     finally: pg.close()
