@@ -2,8 +2,9 @@
 its API still asks for the key, absent with `--no-ui`, shipped in the wheel; and in a real browser (headless
 Chromium driven by Playwright), the answer it streams equals the chat completions route's greedy text for the same
 messages and knobs, JSON mode answers JSON that fits the schema, Stop aborts the generation on the server, the
-metrics panel counts the tokens, a refused request shows the server's message, a reasoning parser's thinking is
-shown apart, and no request leaves for another host. Without Chromium or Playwright the browser tests skip, saying
+metrics panel counts the tokens (and a server of replicas' gauges), a refused request shows the server's message, a
+reasoning parser's thinking is shown apart, behind a proxy's prefix the page calls the API under it, and no request
+leaves for another host. Without Chromium or Playwright the browser tests skip, saying
 why."""
 import json, re, shutil, subprocess, sys, zipfile
 from pathlib import Path
@@ -83,15 +84,19 @@ def browser():
 
 class Playground:
     "The page in a fresh browser context (no stored key); every URL it requests, its script errors and CSP refusals."
-    def __init__(self, browser, server):
-        self.server, self.urls, self.errors = server, [], []
+    def __init__(self, browser, server, prefix: str = ''):     # a prefix: behind a proxy that serves it there
+        self.base, self.urls, self.errors = f'{server.url}{prefix}/', [], []
         self.context = browser.new_context(viewport={'width': 1280, 'height': 820})
+        if prefix:      # the proxy, as nginx's `location /nano/ { proxy_pass http://server/; }`
+            def strip(route):
+                route.fulfill(response=route.fetch(url=route.request.url.replace(self.base, server.url + '/')))
+            self.context.route(self.base + '**', strip)
         self.context.on('request', lambda request: self.urls.append(request.url))
         self.page = self.context.new_page()
         self.page.on('pageerror', lambda error: self.errors.append(str(error)))
         self.page.on('console', lambda m: 'Content Security Policy' in m.text and self.errors.append(m.text))
         self.page.set_default_timeout(WAIT_MS)
-        self.page.goto(server.url + '/')
+        self.page.goto(self.base)
 
     def set_key(self, key: str):
         self.page.fill('#key', key)
@@ -113,11 +118,11 @@ class Playground:
     def text(self, selector: str) -> str: return self.page.locator(selector).text_content()
 
     def close(self):
-        """Close the context, after checking that every request went to the server (data: URLs stay in the page), and
-        that the page broke no rule of its policy (a fetch elsewhere is refused before it is a request) and threw no
-        error."""
+        """Close the context, after checking that every request went to the server, under the page's prefix (data:
+        URLs stay in the page), that the page broke no rule of its policy (a fetch elsewhere is refused before it is a
+        request) and that it threw no error."""
         self.context.close()
-        local = (self.server.url + '/', 'data:')
+        local = (self.base, 'data:')
         foreign = [url for url in self.urls if not url.startswith(local)]
         assert self.urls and not foreign and not self.errors, (foreign, self.errors)
 
@@ -219,9 +224,11 @@ def test_stop_aborts_the_generation_on_the_server(playground, server):
     assert partial and full.startswith(partial) and len(partial) < len(full), (partial, full)
 
 def test_reasoning_is_shown_apart_and_not_sent_back(browser, model_dir):
-    "deepseek_r1's parser: a reply whose thought never closes is all thinking, sent as `reasoning_content` deltas."
-    with ServerProcess(model_dir, served_model_name='tiny', reasoning_parser='deepseek_r1', **ENGINE) as s:
-        pg = Playground(browser, s)
+    """deepseek_r1's parser: a reply whose thought never closes is all thinking, sent as `reasoning_content` deltas.
+    Behind a proxy that serves the server under /nano (its root path), the page there calls the API there."""
+    with ServerProcess(model_dir, served_model_name='tiny', reasoning_parser='deepseek_r1', root_path='/nano',
+                       **ENGINE) as s:
+        pg = Playground(browser, s, '/nano')
         try:
             pg.set_knobs(temperature=0, max_tokens=10)
             _, reply = pg.ask('Think first.')
