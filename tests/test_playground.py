@@ -197,6 +197,13 @@ def test_refusals_show_the_servers_message(playground, server):
     expected = chat(server, {'messages': [{'role': 'user', 'content': 'Hello?'}], 'temperature': -1}).json()['error']
     page.wait_for_function("() => document.getElementById('error').textContent.startsWith('400: ')")
     assert playground.text('#error') == f"400: {expected['message']}" and 'temperature' in expected['message']
+    playground.set_knobs(temperature=0, max_tokens=20)
+    server.inject(fail_detokenize=3)             # the next request fails past its third token: an error event
+    with page.expect_response(lambda r: r.url.endswith('/v1/chat/completions')) as response:
+        page.click('#send')
+    assert response.value.status == 200                                          # the stream had begun
+    page.wait_for_function("() => document.getElementById('error').textContent.includes('detokeniz')")
+    assert page.locator('.msg').count() == 0 and page.input_value('#prompt') == 'Hello?'
 
 def test_stop_aborts_the_generation_on_the_server(playground, server):
     playground.set_key(KEY)
