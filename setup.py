@@ -32,6 +32,7 @@ setuptools.setup(
                 ['Programming Language :: Python :: ' + v for v in py_versions[py_versions.index(min_python):]],
     packages=setuptools.find_packages(include=[cfg['lib_path'], cfg['lib_path'] + '.*']),
     include_package_data=True,
+    package_data={cfg['lib_path'] + '.server': ['playground.html']},   # chapter 14j's page, a hand-written static file
     install_requires=cfg.get('requirements', '').split(),
     extras_require={'dev': cfg.get('dev_requirements', '').split(), 'ray': cfg.get('ray_requirements', '').split(),
                     'structured': cfg.get('structured_requirements', '').split()},

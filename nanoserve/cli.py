@@ -48,7 +48,7 @@ def _access_flags(p: argparse.ArgumentParser):
     "`serve`'s flags for who may use the server, over what, and how much of it one client may hold."
     g = p.add_argument_group('access and limits')
     g.add_argument('--api-key', action='append', default=None, metavar='KEY',
-                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics; repeat for "
+                   help="require 'Authorization: Bearer KEY' on every route but /, /health and /metrics; repeat for "
                         "several keys (default: $NANOSERVE_API_KEY, comma-separated, which keeps them out of `ps`)")
     g.add_argument('--ssl-keyfile', default=None, metavar='FILE', help='serve HTTPS, with this private key')
     g.add_argument('--ssl-certfile', default=None, metavar='FILE', help='serve HTTPS, with this certificate (chain)')
@@ -88,7 +88,7 @@ def _replica_flags(p: argparse.ArgumentParser):
 _REPLICA_OPTIONS = ('data_parallel_size', 'ray_address', 'min_replicas', 'max_replicas', 'routing')
 _SERVE_OPTIONS = ('drain_timeout', 'watchdog_timeout', 'integrity_check', 'api_key', 'ssl_keyfile', 'ssl_certfile',
                   'root_path', 'max_request_bytes', 'body_timeout', 'timeout_keep_alive', 'limit_concurrency',
-                  'stream_backlog', 'reasoning_parser')
+                  'stream_backlog', 'reasoning_parser', 'ui')
 
 def _generate_flags(p: argparse.ArgumentParser):
     _model_flags(p, sampling=True)
@@ -115,6 +115,8 @@ def _serve_flags(p: argparse.ArgumentParser):
     p.add_argument('--reasoning-parser', choices=REASONING_PARSERS, default=None,
                    help="split chat replies' thinking (<think>...</think>) into reasoning_content: 'qwen3' for "
                         "models that open the thought themselves, 'deepseek_r1' for templates that open it (default: off)")
+    p.add_argument('--no-ui', dest='ui', action='store_false', default=None,
+                   help='do not serve the playground page at / (chapter 14j); / is then a 404')
     _access_flags(p)
     _replica_flags(p)
 

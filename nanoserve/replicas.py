@@ -358,7 +358,9 @@ def serve_replicas(model: str, host: str = '127.0.0.1', port: int = 8000, served
                    watchdog_timeout: float = 60.0, integrity_check: str | None = None, drain_timeout: float = 20.0,
                    ssl_keyfile: str | None = None, ssl_certfile: str | None = None, root_path: str = '',
                    timeout_keep_alive: float = 5.0, limit_concurrency: int | None = None, log_level: str = 'warning',
-                   reasoning_parser: str | None = None, ui: bool = True, **engine_kwargs):
+                   reasoning_parser: str | None = None,  # 'deepseek_r1' or 'qwen3': chat replies' thinking apart
+                   ui: bool = True,                      # serve the playground page at / (`--no-ui`: False)
+                   **engine_kwargs):
     "Serve `model` with OpenAI's API at http://host:port from engine replicas on Ray Serve, until Ctrl-C or SIGTERM."
     path, name = os.path.expanduser(model), served_model_name or model
     scaling = replica_scaling(data_parallel_size, min_replicas, max_replicas, target_ongoing_requests)

@@ -9,7 +9,7 @@ __all__ = []
 import importlib
 
 _SEAMS = ('messages', 'protocol', 'tokenizer', 'scheduler', 'frontend', 'app', 'responses', 'anthropic', 'tokens',
-          'launch')   # chapters 14a to 14k (the playground, 14j, is a page: its module serves it)
+          'playground', 'launch')   # chapters 14a to 14k
 
 def __getattr__(name: str):
     "A seam's module, or a public name of one (`from nanoserve.server import run_server`), imported on first use."

@@ -20,6 +20,7 @@ from .app import RouteInstaller, build_app
 from .responses import responses_routes
 from .anthropic import anthropic_routes
 from .tokens import token_routes
+from .playground import playground_routes
 
 # %% auto #0
 __all__ = ['WorkerStartError', 'Workers', 'api_keys', 'api_routes', 'http_server', 'run_server']
@@ -183,7 +184,8 @@ class _Server(uvicorn.Server):
 
 def api_routes(ui: bool = True) -> list[RouteInstaller]:
     "The routes beyond OpenAI's completions and chat (chapters 14g to 14j); `ui=False` leaves out the playground."
-    return [responses_routes, anthropic_routes, token_routes]
+    routes = [responses_routes, anthropic_routes, token_routes]
+    return routes + [playground_routes] if ui else routes
 
 def http_server(frontend: Frontend, api_keys: Sequence[str] = (), host: str = '127.0.0.1', port: int = 8000,
                 log_level: str = 'warning', drain_timeout: float = 0.0, max_request_bytes: int = MAX_REQUEST_BYTES,
@@ -209,7 +211,7 @@ def run_server(model: str, host: str = '127.0.0.1', port: int = 8000, served_mod
                watchdog_timeout: float = 60.0,       # no scheduler progress this long, requests open: 503s; 0: off
                integrity_check: str | None = None,   # failed idle check: 'warn' or 'raise' (see `integrity_mode`)
                debug_hooks: bool = False,            # serve `POST /debug/inject` for fault-injection tests
-               api_key: str | Sequence[str] | None = None,   # required on all but /health, /metrics; None: env's
+               api_key: str | Sequence[str] | None = None,   # required on all but /, /health, /metrics; None: env's
                max_request_bytes: int = MAX_REQUEST_BYTES,   # a larger body: 413, before it is read
                body_timeout: float = 30.0,           # seconds for a body to arrive after its headers, else 408; 0: any
                timeout_keep_alive: float = 5.0,      # seconds a new or idle connection may wait to send a request
