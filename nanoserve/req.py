@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_req.ipynb #7df38782
 from __future__ import annotations
-import itertools
+import itertools, math
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Literal, Sequence
@@ -84,7 +84,7 @@ class SamplingParams:
         def integer(name): return is_a(name, int)
         limited = self.max_tokens is not None
         for name in ('temperature', 'top_p', 'min_p', 'presence_penalty', 'frequency_penalty', 'repetition_penalty'):
-            if not num(name) or getattr(self, name) != getattr(self, name): bad(name, 'must be a number')
+            if not num(name) or not math.isfinite(getattr(self, name)): bad(name, 'must be a finite number')
         if not integer('n') or self.n < 1: bad('n', 'must be an integer >= 1')
         if self.temperature < 0: bad('temperature', 'must be >= 0 (0 is greedy)')
         if not 0 < self.top_p <= 1: bad('top_p', 'must be in (0, 1]')

@@ -136,6 +136,19 @@ def test_forced_tool(claude, gpt):
     [streamed] = [b for b in final.content if b.type == 'tool_use']
     assert (final.stop_reason, streamed.name, streamed.input) == ('tool_use', 'get_weather', call.input)
 
+def test_a_call_whose_arguments_are_not_an_object_is_still_a_tool_use(claude):
+    "A model may write a call's arguments as a string (here a grammar makes it): Anthropic's `input` is an object."
+    call = {'type': 'object', 'properties': {'name': {'const': 'get_weather'}, 'arguments': {'type': 'string',
+            'maxLength': 6}}, 'required': ['name', 'arguments'], 'additionalProperties': False}
+    forced = dict(GREEDY, output_config={'format': {'type': 'json_schema', 'schema': call}})
+    m = claude.messages.create(model='tiny', max_tokens=60, messages=ASK, tools=[WEATHER_TOOL], extra_body=forced)
+    [tool_use] = [b for b in m.content if b.type == 'tool_use']
+    assert m.stop_reason == 'tool_use' and list(tool_use.input) == ['arguments']
+    assert isinstance(tool_use.input['arguments'], str)
+    with claude.messages.stream(model='tiny', max_tokens=60, messages=ASK, tools=[WEATHER_TOOL], extra_body=forced) as s:
+        final = s.get_final_message()
+    assert [b.input for b in final.content if b.type == 'tool_use'] == [tool_use.input]
+
 def test_tool_result_round_trip(claude, gpt):
     call = {'type': 'tool_use', 'id': 'toolu_0123', 'name': 'get_weather', 'input': {'city': 'Paris', 'celsius': True}}
     result = {'type': 'tool_result', 'tool_use_id': 'toolu_0123', 'content': [{'type': 'text', 'text': '18 degrees'}]}

@@ -2,7 +2,7 @@
 14c), through a real server on a tiny model: the token ids equal the Hugging Face tokenizer's and the chat template's,
 the count equals what a chat request is prefilled with, and a reply's thinking is split from its answer exactly where
 the model's raw text puts the tags."""
-import re
+import json, re
 import httpx
 import pytest
 from openai import OpenAI
@@ -75,9 +75,11 @@ def test_version_and_refusals(server):
     assert httpx.get(server.url + '/version').json() == {'version': __version__}
     for path, body, param in [('/detokenize', {'tokens': [10**6]}, 'tokens'), ('/detokenize', {'tokens': 'a'}, 'tokens'),
                               ('/tokenize', {}, 'prompt'), ('/tokenize', {'messages': 'hi'}, 'messages'),
-                              ('/tokenize', {'model': 'other', 'prompt': 'x'}, 'model')]:
-        r = post(server, path, body)
+                              ('/tokenize', {'model': 'other', 'prompt': 'x'}, 'model'),
+                              ('/detokenize', {'tokens': [10**30]}, 'tokens'), ('/tokenize', {'prompt': '\ud800'}, 'prompt')]:
+        r = httpx.post(server.url + path, content=json.dumps(body), headers={'Content-Type': 'application/json'})  # \u escapes
         assert 400 <= r.status_code < 500 and r.json()['error']['param'] == param, (path, body, r.text)
+    assert httpx.get(server.url + '/debug/state').json()['open_requests'] == 0   # a refusal leaves nothing open
 
 THOUGHT = r'<think>[a-z]{3,12}</think>[A-Z][a-z]{2,8}'   # the model must write its thinking in tags, then answer
 

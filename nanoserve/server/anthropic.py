@@ -17,8 +17,8 @@ from .app import EventStream, ReplyStream, chat_reply, chat_reqs
 # %% auto #0
 __all__ = ['ANTHROPIC_ERROR_TYPES', 'ANTHROPIC_IGNORED_FIELDS', 'anthropic_error_body', 'anthropic_error', 'CountTokensRequest',
            'MessagesRequest', 'chat_messages', 'chat_tools', 'chat_tool_choice', 'chat_request', 'in_anthropic_terms',
-           'anthropic_stop_reason', 'anthropic_usage', 'tool_use_id', 'anthropic_message', 'anthropic_event',
-           'MessageStream', 'anthropic_events', 'anthropic_routes']
+           'anthropic_stop_reason', 'anthropic_usage', 'tool_use_id', 'tool_input', 'anthropic_message',
+           'anthropic_event', 'MessageStream', 'anthropic_events', 'anthropic_routes']
 
 # %% ../../nbs/14h_anthropic.ipynb #a7e14806
 ANTHROPIC_ERROR_TYPES = {400: 'invalid_request_error', 401: 'authentication_error', 402: 'billing_error',
@@ -225,10 +225,16 @@ def anthropic_usage(usage: dict) -> dict:
 
 def tool_use_id(call_id: str) -> str: return 'toolu_' + call_id.removeprefix('call_')
 
+def tool_input(arguments: str) -> dict:
+    "A chat call's `arguments` as Anthropic's `input`, an object: the one the model wrote, or else what it wrote, named."
+    try: value = json.loads(arguments)
+    except ValueError: value = arguments
+    return value if isinstance(value, dict) else {'arguments': value}
+
 def _tool_use(call: dict) -> dict:
     function = call['function']
     return {'type': 'tool_use', 'id': tool_use_id(call['id']), 'name': function['name'],
-            'input': json.loads(function['arguments'])}
+            'input': tool_input(function['arguments'])}
 
 def anthropic_message(chat: dict) -> dict:
     "A chat completion (its first choice) as Anthropic's message."
@@ -294,8 +300,9 @@ class MessageStream:
                 if call.get('id'):
                     events += self._open({'type': 'tool_use', 'id': tool_use_id(call['id']),
                                           'name': function.get('name'), 'input': {}})
-                if function.get('arguments') and self.kind == 'tool_use':
-                    events += self._delta({'type': 'input_json_delta', 'partial_json': function['arguments']})
+                if function.get('arguments') and self.kind == 'tool_use':   # whole: chat sends a call once complete
+                    arguments = json.dumps(tool_input(function['arguments']), ensure_ascii=False)
+                    events += self._delta({'type': 'input_json_delta', 'partial_json': arguments})
             if choice.get('finish_reason') is not None:
                 finish, chat_stop_reason = choice['finish_reason'], choice.get('stop_reason')
                 self.stop_reason, self.stop_sequence = anthropic_stop_reason(finish, chat_stop_reason)

@@ -372,10 +372,12 @@ class Frontend(_FrontendTasks):
         "Ask the tokenizer process (`/tokenize`, `/detokenize`, chapter 14i): its answer, or its refusal as `ApiError`."
         reason = self.unavailable()
         if reason: raise ApiError(503, reason)
+        data = encode_request(msg)      # a value msgpack cannot carry is the request's fault: 400, and nothing routed
         answer = _Answer(asyncio.get_running_loop().create_future())
         self.routes[msg.rid] = answer
-        self.send(msg)
-        try: item = await answer.future
+        try:
+            self.send(msg, data)
+            item = await answer.future
         finally: self.routes.pop(msg.rid, None)
         if isinstance(item, ErrorOut): raise ApiError(item.status, item.message, item.param, item.code)
         return item

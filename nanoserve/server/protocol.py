@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, model_validator
 from ..req import MAX_QUOTED, SamplingParams, StructuredOutputsParams, quoted
-from .messages import ErrorOut, GenerateReq, TextOut, encode
+from .messages import ErrorOut, GenerateReq, TextOut, TokenizeReq, encode
 
 # %% auto #0
 __all__ = ['CONTEXT_ERROR', 'MAX_JSON_DEPTH', 'MAX_BODY_DEPTH', 'IGNORED_FIELDS', 'MAX_N', 'MAX_PROMPTS', 'MAX_STOP',
@@ -509,12 +509,14 @@ def validation_error(exc: RequestValidationError) -> ApiError:
                                   for e in errors if field_of(e) == param))
     return ApiError(400, f"{param + ': ' if param else ''}{'; or '.join(messages)}", param)
 
-def encode_request(req: GenerateReq) -> bytes:
+def encode_request(req: GenerateReq | TokenizeReq) -> bytes:
     "The request as bytes; `ApiError` 400 naming the field whose value msgpack cannot carry."
     try: return encode(req)
     except (OverflowError, UnicodeError, TypeError, ValueError) as e:
         why = f'the text is not valid Unicode ({e.reason})' if isinstance(e, UnicodeError) else str(e)
-        sent = [*req.params.items(), ('prompt', req.prompt), ('prompt', req.prompt_ids), ('messages', req.messages)]
+        named = {'prompt_ids': 'prompt'}     # the API's name for a field of the message
+        sent = [*getattr(req, 'params', {}).items(),
+                *[(named.get(f.name, f.name), getattr(req, f.name)) for f in fields(req) if f.name != 'params']]
         for name, value in sent:
             try: encode(value)
             except Exception: raise ApiError(400, f'{name}: {why}', name) from None
