@@ -44,6 +44,8 @@ def test_page_is_open_and_its_api_is_not(server):
     r = httpx.get(server.url + '/', timeout=30)
     assert r.status_code == 200 and r.headers['content-type'] == 'text/html; charset=utf-8', r.headers
     assert r.text == playground_page() and '<title>nanoserve playground</title>' in r.text
+    head = httpx.head(server.url + '/', timeout=30)                              # a probe's question
+    assert head.status_code == 200 and head.headers['content-type'] == r.headers['content-type'] and not head.content
     policy = r.headers['content-security-policy']
     assert "connect-src 'self'" in policy and "default-src 'none'" in policy, policy
     body = {'messages': [{'role': 'user', 'content': 'Hi'}], 'max_tokens': 2, 'stream': True}

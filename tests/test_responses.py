@@ -151,10 +151,22 @@ def test_text_format_json_schema(client):
     ({'input': 'Hi', 'temperature': -1}, 'temperature'),
     ({'input': 'Hi', 'text': {'format': {'type': 'yaml'}}}, 'text'),
     ({'input': 'Hi', 'previous_response_id': 'resp_nothing'}, 'previous_response_id'),
+    ({'input': 'Hi', 'temperature': float('inf')}, 'temperature'),                 # echoed: JSON cannot say it
+    ({'input': 'Hi', 'metadata': {'a': '\ud800'}}, 'metadata'),                     # echoed: not valid Unicode
+    ({'input': 'Hi', 'metadata': {f'k{i}': 'v' for i in range(17)}}, 'metadata'),  # OpenAI's bound: 16 pairs
+    ({'input': 'Hi', 'metadata': {'k': 'v' * 513}}, 'metadata'),                   # ... values of 512 characters
+    ({'input': 'Hi', 'text': {'junk': 'z'}}, 'text'),
+    ({'input': 'Hi', 'tools': [{**WEATHER, 'description': float('nan')}]}, 'tools'),
+    ({'input': [{'role': 'user', 'content': [{'type': 'input_text', 'text': None}]}]}, 'input'),
+    ({'input': [{'role': 'user', 'content': [{'type': 'input_text', 'text': {'a': 1}}]}]}, 'input'),
 ])
 def test_bad_input_is_a_400_naming_the_field(server, body, param):
-    r = httpx.post(f'{server.url}/v1/responses', json={'model': 'tiny', **body}, timeout=60)
+    sent = json.dumps({'model': 'tiny', **body})    # \u escapes and Infinity, as a lax client may send them
+    r = httpx.post(f'{server.url}/v1/responses', content=sent, headers={'Content-Type': 'application/json'}, timeout=60)
     assert r.status_code == 400 and r.json()['error']['param'] == param, r.text
+    streamed = httpx.post(f'{server.url}/v1/responses', content=json.dumps({'model': 'tiny', 'stream': True, **body}),
+                          headers={'Content-Type': 'application/json'}, timeout=60)
+    assert streamed.status_code == 400 and streamed.json()['error']['param'] == param, streamed.text
 
 def test_agents_sdk_runs_on_the_server(server, client):
     """An OpenAI Agents SDK `Agent` on `OpenAIResponsesModel`: its final output is the Responses route's greedy answer.

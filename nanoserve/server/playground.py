@@ -41,5 +41,5 @@ def playground_routes(app: FastAPI, frontend: Frontend):
     headers = page_headers(html)
     app.state.open_paths.add('/')
 
-    @app.get('/', include_in_schema=False)
+    @app.api_route('/', methods=['GET', 'HEAD'], include_in_schema=False)   # HEAD: a probe's way to ask
     async def playground(): return HTMLResponse(html, headers=headers)

@@ -15,10 +15,10 @@ from .frontend import Frontend
 from .app import EventStream, ReplyStream, chat_reply
 
 # %% auto #0
-__all__ = ['IGNORED_RESPONSE_FIELDS', 'MAX_STORED_RESPONSES', 'MAX_STORED_BYTES', 'ResponsesRequest', 'input_messages',
-           'chat_tools', 'chat_tool_choice', 'chat_response_format', 'chat_request', 'responses_error',
-           'reasoning_item', 'message_item', 'function_call_item', 'output_items', 'response_usage', 'ResponseBuilder',
-           'ResponseEvents', 'ResponseStore', 'responses_routes']
+__all__ = ['IGNORED_RESPONSE_FIELDS', 'MAX_METADATA', 'MAX_STORED_RESPONSES', 'MAX_STORED_BYTES', 'ResponsesRequest',
+           'input_messages', 'chat_tools', 'chat_tool_choice', 'chat_response_format', 'chat_request',
+           'responses_error', 'reasoning_item', 'message_item', 'function_call_item', 'output_items', 'response_usage',
+           'ResponseBuilder', 'ResponseEvents', 'ResponseStore', 'responses_routes']
 
 # %% ../../nbs/14g_responses.ipynb #24198ab6
 IGNORED_RESPONSE_FIELDS = {   # Responses request fields with no meaning for a local server: accepted, unused; why
@@ -63,7 +63,9 @@ def _text_parts(content: Any, where: str) -> str | list[dict]:
     if not all(isinstance(p, dict) and p.get('type') in ('input_text', 'output_text') for p in parts):
         raise ApiError(400, f'{where}: only text content (input_text, output_text) is supported, got {quoted(content)}',
                        'input')
-    return [{'type': 'text', 'text': str(p.get('text', ''))} for p in parts]
+    if not all(isinstance(p.get('text'), str) for p in parts):
+        raise ApiError(400, f'{where}: a text part needs its text, a string, got {quoted(content)}', 'input')
+    return [{'type': 'text', 'text': p['text']} for p in parts]
 
 def _item_message(item: Any, where: str, messages: list[dict]) -> dict | None:
     "The chat message for one input item; None when it joins the message before it (a call) or is dropped."
@@ -127,10 +129,28 @@ def chat_response_format(text: dict | None) -> dict | None:
         return {'type': 'json_schema', 'json_schema': spec}
     raise ApiError(400, f"text.format: type must be 'text', 'json_object' or 'json_schema', got {quoted(fmt)}", 'text')
 
+MAX_METADATA = (16, 64, 512)   # OpenAI's bounds on `metadata`: pairs, characters of a key, characters of a value
+
+def _check_echoed(body: ResponsesRequest):
+    "What a response echoes, checked before anything is generated: `metadata`'s bounds, `text`'s keys, strict JSON."
+    pairs, key_chars, value_chars = MAX_METADATA
+    metadata = body.metadata or {}
+    if len(metadata) > pairs or any(len(k) > key_chars or len(v) > value_chars for k, v in metadata.items()):
+        raise ApiError(400, f'metadata: at most {pairs} pairs, of keys of at most {key_chars} characters and values of '
+                            f'at most {value_chars}', 'metadata')
+    unknown = sorted(set(body.text or {}) - {'format', 'verbosity'})
+    if unknown: raise ApiError(400, f'text: {quoted(unknown[0])} is not a field of text (format, verbosity)', 'text')
+    for name in ('instructions', 'metadata', 'text', 'tools', 'tool_choice'):
+        try: json.dumps(getattr(body, name), ensure_ascii=False, allow_nan=False).encode()
+        except (ValueError, UnicodeError) as e:
+            why = 'not valid Unicode' if isinstance(e, UnicodeError) else 'a number JSON cannot carry (NaN, Infinity)'
+            raise ApiError(400, f'{name}: {why}', name) from None
+
 def chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
     "The chat request a Responses body makes, after `conversation` (the previous response's messages, its input's)."
     unknown = [name for name in body.model_extra or {} if name not in IGNORED_RESPONSE_FIELDS]
     if unknown: raise ApiError(400, f'{quoted(unknown[0])} is not supported by this server', unknown[0][:MAX_QUOTED])
+    _check_echoed(body)
     instructions = [{'role': 'system', 'content': body.instructions}] if body.instructions is not None else []
     fields = dict(model=body.model, messages=instructions + conversation, max_tokens=body.max_output_tokens,
                   temperature=body.temperature, top_p=body.top_p, tools=chat_tools(body.tools),
