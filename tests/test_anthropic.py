@@ -201,7 +201,12 @@ def test_wrong_key_is_401_in_anthropics_envelope(server):
     ({'model': 'tiny', 'max_tokens': 4, 'messages': HELLO, 'temperature': -1}, 'temperature'),
     ({'model': 'tiny', 'max_tokens': 4, 'messages': HELLO, 'stop_sequences': ['']}, 'stop_sequences'),
     ({'model': 'tiny', 'max_tokens': 4, 'messages': HELLO, 'tools': [WEATHER_TOOL],
-      'tool_choice': {'type': 'tool', 'name': 'nope'}}, 'tool_choice')])
+      'tool_choice': {'type': 'tool', 'name': 'nope'}}, 'tool_choice'),
+    ({'model': 'tiny', 'max_tokens': 4, 'messages': HELLO, 'tool_choice': {'type': 'any'}}, "'any' needs tools"),
+    ({'model': 'tiny', 'max_tokens': 4, 'messages': HELLO, 'tools': [{**WEATHER_TOOL, 'name': ''}]}, 'a name'),
+    ({'model': 'tiny', 'max_tokens': 4, 'messages': HELLO, 'tools': [WEATHER_TOOL, WEATHER_TOOL]}, 'unique'),
+    ({'model': 'tiny', 'max_tokens': 4, 'messages': [{'role': 'user', 'content': [{'type': 'text'}]}]}, 'needs its text'),
+    ({'model': 'tiny', 'max_tokens': 4, 'messages': [{'role': 'user', 'content': []}]}, 'empty')])
 def test_bad_input_is_400_invalid_request(server, body, named):
     r = post(server, '/v1/messages', body)
     assert r.status_code == 400 and r.json()['type'] == 'error', r.text

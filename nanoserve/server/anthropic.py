@@ -77,6 +77,7 @@ def _text_of(block: Any, where: str) -> str:
     "A `text` block's text; `ApiError` for anything else."
     kind = block.get('type') if isinstance(block, dict) else None
     if kind == 'text' and isinstance(block.get('text'), str): return block['text']
+    if kind == 'text': raise ApiError(400, f'{where}: a text block needs its text, a string', 'messages')
     raise ApiError(400, f'{where}: {_refusal(kind)}', 'messages')
 
 def _chat_call(block: dict, where: str) -> dict:
@@ -128,6 +129,8 @@ def chat_messages(body: CountTokensRequest) -> list[dict]:
         if role not in ('user', 'assistant'):
             raise ApiError(400, f"{where}.role must be 'user' or 'assistant', got {quoted(role)}", 'messages')
         if isinstance(content, str): chat.append({'role': role, 'content': content})
+        elif isinstance(content, list) and not content:
+            raise ApiError(400, f'{where}.content is empty: a message says something', 'messages')
         elif isinstance(content, list): chat += _turns(role, content, where)
         else: raise ApiError(400, f'{where}.content must be a string or a list of content blocks', 'messages')
     return chat
@@ -143,8 +146,10 @@ def chat_tools(tools: list[dict] | None) -> list[dict] | None:
             raise ApiError(400, f'tools[{k}]: {quoted(kind)} is a tool Anthropic runs; this server offers the '
                                 'model your own tools only (name, description, input_schema)', 'tools')
         name, schema = tool.get('name'), tool.get('input_schema')
-        if not isinstance(name, str) or not isinstance(schema, dict):
+        if not isinstance(name, str) or not name or not isinstance(schema, dict):
             raise ApiError(400, f'tools[{k}]: a tool needs a name and an input_schema object', 'tools')
+        if any(f['function']['name'] == name for f in functions):
+            raise ApiError(400, f'tools[{k}]: tool names must be unique, {quoted(name)} is there twice', 'tools')
         if json_depth(schema) > MAX_JSON_DEPTH:     # as chat's: and before chat's tool, a level deeper, is built
             raise ApiError(400, f'tools[{k}]: input_schema nests deeper than {MAX_JSON_DEPTH} levels', 'tools')
         described = {'description': tool['description']} if tool.get('description') is not None else {}
@@ -163,6 +168,7 @@ def chat_tool_choice(choice: dict | None, tools: list[dict] | None) -> tuple[Any
     if not isinstance(kind, str) or kind not in named:
         raise ApiError(400, f"tool_choice: type must be 'auto', 'any', 'tool' or 'none', got {quoted(kind)}",
                        'tool_choice')
+    if kind == 'any' and not tools: raise ApiError(400, "tool_choice: 'any' needs tools", 'tool_choice')
     return named[kind], parallel
 
 def _response_format(config: dict | None) -> dict | None:
