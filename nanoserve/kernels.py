@@ -5,6 +5,7 @@
 # %% ../nbs/06_kernels.ipynb #ebb437c1
 from __future__ import annotations
 import os, re
+from typing import Callable
 from functools import partial
 import torch
 import triton
@@ -14,8 +15,8 @@ import triton.language as tl
 # %% auto #0
 __all__ = ['INTERPRET', 'DECODE_BLOCK_N', 'GPU_ARCHS', 'MODEL_SHAPES', 'ATTENTION_OPTIONS', 'rms_norm', 'rope', 'silu_and_mul',
            'store_kv', 'decode_num_splits', 'decode_span', 'decode_attention', 'extend_attention',
-           'bench_decode_attention', 'kernel_launches', 'capture_launches', 'compile_kernel', 'assembled', 'occupancy',
-           'judged', 'check_kernels']
+           'bench_decode_attention', 'kernel_launches', 'intercept_launches', 'capture_launches', 'compile_kernel',
+           'assembled', 'occupancy', 'judged', 'check_kernels']
 
 # %% ../nbs/06_kernels.ipynb #b626afdf
 INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'   # kernels run in the Triton interpreter (no GPU)
@@ -507,14 +508,23 @@ def kernel_launches(shapes: dict = MODEL_SHAPES, dtypes=(torch.bfloat16, torch.f
                           for n in (1, 8)]
     return calls
 
-def capture_launches(calls: list[tuple]) -> dict[tuple, str]:
-    "Run each wrapper without launching its kernels: `{(kernel, signature, constexprs, options): configuration}`."
+def intercept_launches(calls: list[tuple], capture: Callable):
+    "Run each `(configuration, wrapper, args)` of `calls` with its kernel launches handed to `capture`, not launched."
     from triton.runtime.jit import JITFunction
     assert not INTERPRET, 'compiling for a GPU needs the kernels compiled, not interpreted: unset TRITON_INTERPRET'
+    run = JITFunction.run
+    try:
+        for config, wrapper, args in calls:
+            JITFunction.run = lambda fn, *a, config=config, **kw: capture(config, fn, *a, **kw)
+            wrapper(*args)
+    finally: JITFunction.run = run
+
+def capture_launches(calls: list[tuple]) -> dict[tuple, str]:
+    "Run each wrapper without launching its kernels: `{(kernel, signature, constexprs, options): configuration}`."
     types = {torch.bfloat16: 'bf16', torch.float16: 'fp16', torch.float32: 'fp32',
              torch.int32: 'i32', torch.int64: 'i64'}
-    found, run, current = {}, JITFunction.run, {}
-    def capture(fn, *args, grid, warmup, **kwargs):
+    found = {}
+    def capture(config, fn, *args, grid, warmup, **kwargs):
         signature, constexprs = {}, {}
         all_args = args + tuple(kwargs.get(p.name) for p in fn.params[len(args):])
         for param, arg in zip(fn.params, all_args):
@@ -525,13 +535,8 @@ def capture_launches(calls: list[tuple]) -> dict[tuple, str]:
             else: signature[param.name] = 'fp32' if isinstance(arg, float) else 'i32'
         options = tuple(sorted((k, v) for k, v in kwargs.items() if k in ('num_warps', 'num_stages')))
         key = (fn.__name__, tuple(signature.items()), tuple((k, str(v)) for k, v in constexprs.items()), options)
-        found.setdefault(key, (constexprs, current['config']))
-    JITFunction.run = capture
-    try:
-        for config, wrapper, args in calls:
-            current['config'] = config
-            wrapper(*args)
-    finally: JITFunction.run = run
+        found.setdefault(key, (constexprs, config))
+    intercept_launches(calls, capture)
     return found
 
 def compile_kernel(arch: str, kernel: str, signature: dict, constexprs: dict, options: dict) -> dict:

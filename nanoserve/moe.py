@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from .kernels import GPU_ARCHS, INTERPRET, assembled, judged, silu_and_mul
+from .kernels import GPU_ARCHS, INTERPRET, assembled, intercept_launches, judged, silu_and_mul
 from .references import moe_cpu
 
 # %% auto #0
@@ -159,10 +159,9 @@ def moe_kernel_launches(shapes: dict = MOE_SHAPES, batch_sizes=(1, 8, 32, 256, 2
 def capture_specialized_launches(calls: list[tuple]) -> dict[tuple, tuple]:
     "Run each wrapper without launching its kernels: `{launch key: (constexprs, attributes, configuration)}`."
     from triton.backends.compiler import BaseBackend
-    from triton.runtime.jit import JITFunction, native_specialize_impl
-    assert not INTERPRET, 'compiling for a GPU needs the kernels compiled, not interpreted: unset TRITON_INTERPRET'
-    found, run, current = {}, JITFunction.run, {}
-    def capture(fn, *args, grid, warmup, **kwargs):
+    from triton.runtime.jit import native_specialize_impl
+    found = {}
+    def capture(config, fn, *args, grid, warmup, **kwargs):
         all_args = args + tuple(kwargs.get(p.name) for p in fn.params[len(args):])
         signature, constexprs, attributes = {}, {}, {}
         for index, (param, arg) in enumerate(zip(fn.params, all_args)):
@@ -177,13 +176,8 @@ def capture_specialized_launches(calls: list[tuple]) -> dict[tuple, tuple]:
         options = tuple(sorted((k, v) for k, v in kwargs.items() if k in ('num_warps', 'num_stages')))
         key = (fn.__module__, fn.__name__, tuple(signature.items()), tuple((k, str(v)) for k, v in constexprs.items()),
                tuple(sorted(attributes)), options)
-        found.setdefault(key, (constexprs, attributes, current['config']))
-    JITFunction.run = capture
-    try:
-        for config, wrapper, args in calls:
-            current['config'] = config
-            wrapper(*args)
-    finally: JITFunction.run = run
+        found.setdefault(key, (constexprs, attributes, config))
+    intercept_launches(calls, capture)
     return found
 
 def compile_specialized_row(arch: str, key: tuple, constexprs: dict, attributes: dict, config: str) -> dict:
