@@ -12,7 +12,8 @@ from functools import cache, partial
 import torch
 import torch.nn.functional as F
 from torch import nn
-from .model import ColumnParallelLinear, DecoderForCausalLM, Ops, ParallelLMHead, RMSNorm, RowParallelLinear
+from .model import ColumnParallelLinear, DecoderForCausalLM, FusedExperts, Ops, ParallelLMHead, RMSNorm
+from .model import RowParallelLinear
 from .quant import QuantizedWeight
 from .references import moe_cpu
 from .metadata import AttentionBackend, Extend, ForwardMeta, attend_extends, extends
@@ -158,12 +159,16 @@ class PackedLinears:
                  quantized_product: str | None = None):   # for quantized ones; None: `choose_quantized_product`'s
         layers = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
         held = {id(m.weight): m.weight for m in model.modules() if isinstance(m, layers)}
-        weights = {key: w for key, w in held.items()
-                   if isinstance(w, torch.Tensor) and w.is_cpu and w.dtype == torch.float32}
+        weights = {key: w for key, w in held.items() if _packable(w)}
+        stacks = [m for m in model.modules() if isinstance(m, FusedExperts)]
+        stacked = {id(w): w for m in stacks for w in (m.gate_up_proj, m.down_proj) if _packable(w)}
         shapes = Counter(tuple(w.shape) for w in weights.values())
+        for w in stacked.values(): shapes[tuple(w.shape[1:])] += w.shape[0]
         self.product = product or (choose_product(dict(shapes)) if shapes else 'torch')
         # id(weight) -> (the weight, kept alive; the weight as the product takes it)
         self._packed = {key: (w, pack_for(self.product, w)) for key, w in weights.items()}
+        # id(stacked experts' weight) -> (the weight, kept alive; each expert's slice as the product takes it)
+        self._experts = {key: (w, [pack_for(self.product, expert) for expert in w]) for key, w in stacked.items()}
         quantized = [w for w in held.values() if isinstance(w, QuantizedWeight) and c_takes(w)]
         # None when the model has no quantized weight the C product takes
         self.quantized_product = quantized_product or (choose_quantized_product(quantized) if quantized else None)
@@ -173,7 +178,7 @@ class PackedLinears:
                 release_int4pack(w)
                 self._quantized[id(w)] = (w, pack_quantized(w))
 
-    def __len__(self) -> int: return len(self._packed) + len(self._quantized)
+    def __len__(self) -> int: return len(self._packed) + len(self._experts) + len(self._quantized)
 
     def packed_weight(self, weight: torch.Tensor):
         "`weight` as the product takes it, if it was packed."
@@ -200,9 +205,37 @@ class PackedLinears:
         if packed is None or not fits or weight.requires_grad: return F.linear(x, weight, bias)
         return multiply(self.product, x, packed[1], bias)
 
+    def moe(self, x: torch.Tensor,        # [T, C]
+            w13: torch.Tensor,            # [E, 2I, C]: the stacked gate/up weights
+            w2: torch.Tensor,             # [E, C, I]: the stacked down weights
+            weights: torch.Tensor,        # fp32 [T, k]: the routing weights
+            ids: torch.Tensor,            # [T, k]: the experts
+           ) -> torch.Tensor:             # [T, C]
+        "`moe_cpu`, each expert's rows through the product, for packed experts and fp32 rows on the CPU."
+        gate_up, down = self._experts.get(id(w13)), self._experts.get(id(w2))
+        fits = x.dim() == 2 and x.dtype == torch.float32 and x.is_cpu and not x.requires_grad
+        if gate_up is None or down is None or not fits: return moe_cpu(x, w13, w2, weights, ids)
+        (num_tokens, top_k), pair_experts = ids.shape, ids.flatten().long()
+        order = torch.argsort(pair_experts, stable=True)   # the pairs t * k + j, grouped by expert
+        rows_per_expert = torch.bincount(pair_experts, minlength=w13.shape[0]).tolist()
+        pair_rows = x[order // top_k]
+        outputs = torch.empty(len(order), x.shape[1])      # each pair's expert output, grouped by expert
+        start = 0
+        for expert, rows in enumerate(rows_per_expert):
+            if rows == 0: continue
+            h = silu_and_mul_cpu(multiply(self.product, pair_rows[start:start + rows], gate_up[1][expert]))
+            outputs[start:start + rows] = multiply(self.product, h, down[1][expert])
+            start += rows
+        by_pair = torch.empty_like(outputs).index_copy_(0, order, outputs).view(num_tokens, top_k, x.shape[1])
+        return (by_pair * weights.unsqueeze(-1)).sum(1)
+
+def _packable(weight) -> bool:
+    "Whether `PackedLinears` packs `weight`: an fp32 tensor on the CPU."
+    return isinstance(weight, torch.Tensor) and weight.is_cpu and weight.dtype == torch.float32
+
 def cpu_ops(packed: PackedLinears) -> Ops:
     "Appendix A's small ops and the product of `packed`'s weights; each falls back to its reference where C cannot."
-    return Ops(rms_norm_cpu, rope_cpu, silu_and_mul_cpu, packed.linear, moe_cpu)
+    return Ops(rms_norm_cpu, rope_cpu, silu_and_mul_cpu, packed.linear, packed.moe)
 
 # %% ../nbs/91_cpu_backend.ipynb #91a0000a
 def decoder_weights(model: DecoderForCausalLM, packed: PackedLinears) -> DecoderWeights | None:

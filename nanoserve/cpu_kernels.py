@@ -373,12 +373,49 @@ void silu_and_mul_f32(const float *x, int64_t sx, float *out, int64_t T, int I, 
 # %% ../nbs/90_cpu_kernels.ipynb #062f83bf
 C_GEMM_TILE = r'''/* ---- linear layers: y = x w^T (+ bias), w packed in panels ---- */
 
-#define NR 24          /* output columns per panel: a tile is 4 rows x 24 columns, 12 of the 16 vector registers */
+#define NR 24          /* output columns per panel */
 #define MC 128         /* rows per chunk: a thread walks its panels once per chunk, the chunk's rows staying in cache */
 
-/* R (1-4) rows of y, the nc (<= NR) columns of one panel: y[r, c] = x[r] . w[c] over K, the panel laid out [K][NR]
-   (the NR columns of each k side by side). While at it, prefetch `lines` cache lines (16 floats each) from pf: one
-   every `every` k, or, when every is 0 (a single tile: pf is a whole panel), the NR floats of each k. */
+/* While a tile works, it prefetches `lines` cache lines (16 floats each) from pf: one every `every` k, or, when every
+   is 0 (a single tile: pf is a whole panel), the NR floats of each k. */
+#define PREFETCH_PANEL(k) do { if (lines) {   /* (in this order: testing done < lines first made the loop 7-10% slower) */ \
+    if (!every) { __builtin_prefetch(pf + (k) * NR, 0, 3); __builtin_prefetch(pf + (k) * NR + 16, 0, 3); } \
+    else if (--due == 0) { due = every; if (done < lines) __builtin_prefetch(pf + 16 * done++, 0, 3); } } } while (0)
+
+#ifdef __AVX512F__
+/* With AVX-512's 32 registers of 16 floats, a tile is 8 rows x 24 columns: 16 + 8 columns, 16 accumulators. Each
+   column's sum is the one the 4-row tile below makes, in the same order, so both give the same bits. */
+#define TR 8           /* rows per tile */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+#define LD16(p) (*(const v16 *)(p))
+
+INLINE void gemm_tile(const float *x, int64_t sx, const float *w, const float *bias, float *y, int64_t sy, int K, int R,
+                      int nc, const float *pf, int lines, int every) {
+    v16 lo[TR] = {{0}};   /* columns 0-15 of each row */
+    v8 hi[TR] = {{0}};    /* columns 16-23 */
+    int due = 1, done = 0;
+    for (int k = 0; k < K; k++) {
+        PREFETCH_PANEL(k);
+        const v16 b0 = LD16(w + (int64_t)k * NR);
+        const v8 b1 = LD(w + (int64_t)k * NR + 16);
+        _Pragma("GCC unroll 8") for (int r = 0; r < TR; r++)
+            if (r < R) { const float a = x[r * sx + k]; lo[r] += a * b0; hi[r] += a * b1; }
+    }
+    for (int r = 0; r < R; r++) {
+        float *yr = y + r * sy;
+        if (nc == NR) {
+            if (bias) { lo[r] += LD16(bias); hi[r] += LD(bias + 16); }
+            *(v16 *)yr = lo[r]; *(v8 *)(yr + 16) = hi[r];
+        } else {
+            float t[NR]; memcpy(t, &lo[r], sizeof lo[r]); memcpy(t + 16, &hi[r], sizeof hi[r]);
+            for (int j = 0; j < nc; j++) yr[j] = t[j] + (bias ? bias[j] : 0.0f);
+        }
+    }
+}
+#else
+/* Otherwise a tile is 4 rows x 24 columns, 12 of the 16 vector registers. */
+#define TR 4           /* rows per tile */
+
 INLINE void gemm_tile(const float *x, int64_t sx, const float *w, const float *bias, float *y, int64_t sy, int K, int R,
                       int nc, const float *pf, int lines, int every) {
     v8 c00 = {0}, c01 = {0}, c02 = {0}, c10 = {0}, c11 = {0}, c12 = {0},
@@ -387,10 +424,7 @@ INLINE void gemm_tile(const float *x, int64_t sx, const float *w, const float *b
     int due = 1, done = 0;
     for (int k = 0; k < K; k++) {
         const float *wk = w + (int64_t)k * NR;
-        if (lines) {             /* (in this order: testing done < lines first made the loop 7-10% slower) */
-            if (!every) { __builtin_prefetch(pf + k * NR, 0, 3); __builtin_prefetch(pf + k * NR + 16, 0, 3); }
-            else if (--due == 0) { due = every; if (done < lines) __builtin_prefetch(pf + 16 * done++, 0, 3); }
-        }
+        PREFETCH_PANEL(k);
         const v8 b0 = LD(wk), b1 = LD(wk + 8), b2 = LD(wk + 16);
         float a = x0[k]; c00 += a * b0; c01 += a * b1; c02 += a * b2;
         if (R > 1) { a = x1[k]; c10 += a * b0; c11 += a * b1; c12 += a * b2; }
@@ -409,6 +443,7 @@ INLINE void gemm_tile(const float *x, int64_t sx, const float *w, const float *b
         }
     }
 }
+#endif
 
 '''
 
@@ -428,17 +463,24 @@ void linear_f32(const float *x, int64_t sx, const float *w, const float *bias, f
             const int64_t m0 = ch * MC, m1 = m0 + MC < M ? m0 + MC : M;
             /* the next panel of the range comes from memory while this one is used: each tile of rows prefetches an
                equal share of its lines, spread over its k loop (all of them in the first tile was 4-15% slower at 8-64 rows) */
-            const int tiles = (int)((m1 - m0 + 3) / 4), lines = (K * NR + 15) / 16, share = (lines + tiles - 1) / tiles;
+            const int tiles = (int)((m1 - m0 + TR - 1) / TR), lines = (K * NR + 15) / 16;
+            const int share = (lines + tiles - 1) / tiles;
             const int every = share <= K ? K / share : 0;
             for (int p = p0; p < p1; p++) {
                 const float *wp = w + (int64_t)p * K * NR, *next = wp + (int64_t)K * NR;
                 const float *bp = bias ? bias + p * NR : 0;
                 const int nc = N - p * NR < NR ? N - p * NR : NR;
                 float *yp = y + p * NR;
-                for (int64_t i = m0, first = 0; i < m1; i += 4, first += share) {
+                for (int64_t i = m0, first = 0; i < m1; i += TR, first += share) {
                     const int n = p + 1 < p1 && first < lines ? (share < lines - first ? share : (int)(lines - first)) : 0;
                     const float *xi = x + i * sx, *pf = n ? next + first * 16 : next; float *yi = yp + i * sy;
-                    switch (m1 - i < 4 ? m1 - i : 4) {
+                    switch (m1 - i < TR ? m1 - i : TR) {
+#if TR == 8
+                        case 8: gemm_tile(xi, sx, wp, bp, yi, sy, K, 8, nc, pf, n, every); break;
+                        case 7: gemm_tile(xi, sx, wp, bp, yi, sy, K, 7, nc, pf, n, every); break;
+                        case 6: gemm_tile(xi, sx, wp, bp, yi, sy, K, 6, nc, pf, n, every); break;
+                        case 5: gemm_tile(xi, sx, wp, bp, yi, sy, K, 5, nc, pf, n, every); break;
+#endif
                         case 4: gemm_tile(xi, sx, wp, bp, yi, sy, K, 4, nc, pf, n, every); break;
                         case 3: gemm_tile(xi, sx, wp, bp, yi, sy, K, 3, nc, pf, n, every); break;
                         case 2: gemm_tile(xi, sx, wp, bp, yi, sy, K, 2, nc, pf, n, every); break;
