@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_config.ipynb #090267c7
 from __future__ import annotations
-import argparse, functools, inspect, json, os, re, typing
+import argparse, functools, inspect, json, math, os, re, typing
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
@@ -54,7 +54,7 @@ FAMILIES = {'LlamaForCausalLM': Family('llama'),
             'Qwen3MoeForCausalLM': Family('qwen3_moe', qk_norm='head', windows='some', moe=True)}
 ARCHITECTURES = {arch: family.name for arch, family in FAMILIES.items()}   # transformers' class -> nanoserve's name
 _FAMILY_OF = {family.name: family for family in FAMILIES.values()}
-ROPE_TYPES = ('default', 'linear', 'llama3')
+ROPE_TYPES = ('default', 'linear', 'llama3', 'longrope')
 BATCH_POLICIES = ('mixed', 'prefill-first', 'decode-first')   # how a step is filled (chapter 05)
 QUANTIZATIONS = ('gguf', 'int8', 'int4', 'fp8')   # weight formats (chapter 07c): a GGUF's blocks, or quantized at load
 _DTYPES = {'float32': torch.float32, 'float': torch.float32, 'bfloat16': torch.bfloat16,
@@ -77,12 +77,34 @@ def _rope(d: dict, layer_type: str | None = None) -> tuple[float, dict | None]:
     rope_type = params.pop('rope_type', params.pop('type', 'default'))
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_scaling: rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    partial = params.get('partial_rotary_factor', d.get('partial_rotary_factor', 1.0))
+    if partial != 1.0:
+        raise ValueError(f'partial_rotary_factor: rotary embedding on a part ({partial}) of each head is not supported')
     if rope_type == 'default': return theta, None
+    if rope_type == 'longrope': return theta, _longrope(d, params)
     need = {'linear': ('factor',),
             'llama3': ('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings')}[rope_type]
     missing = [k for k in need if k not in params]
     if missing: raise ValueError(f"rope_scaling: {rope_type} scaling needs {', '.join(missing)}")
     return theta, {'rope_type': rope_type, **{k: params[k] for k in need}}
+
+def _longrope(d: dict, params: dict) -> dict:
+    "Phi-3's `longrope`: each frequency's divisor within the pretrained context and past it, and the scale of cos/sin."
+    original = params.get('original_max_position_embeddings', d.get('original_max_position_embeddings'))
+    missing = [k for k in ('short_factor', 'long_factor') if k not in params]
+    if original is None: missing.append('original_max_position_embeddings')
+    if missing: raise ValueError(f"rope_scaling: longrope scaling needs {', '.join(missing)}")
+    half = (d.get('head_dim') or d['hidden_size'] // d['num_attention_heads']) // 2
+    for name in ('short_factor', 'long_factor'):
+        if len(params[name]) != half:
+            raise ValueError(f'rope_scaling: longrope {name} has {len(params[name])} factors, one per rotary '
+                             f'frequency ({half}) is needed')
+    factor = params.get('factor') or d.get('max_position_embeddings', original) / original
+    attention = params.get('attention_factor')
+    if attention is None: attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+    return {'rope_type': 'longrope', 'short_factor': [float(f) for f in params['short_factor']],
+            'long_factor': [float(f) for f in params['long_factor']],
+            'original_max_position_embeddings': int(original), 'attention_factor': float(attention)}
 
 def _layer_types(d: dict, family: Family) -> list[str]:
     "Each layer's attention, 'sliding_attention' or 'full_attention': as `layer_types` lists, or each family's rule."
@@ -118,7 +140,7 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # None, or {'rope_type': 'linear'|'llama3', ...}
+    rope_scaling: dict | None = None  # None, or {'rope_type': 'linear'|'llama3'|'longrope', ...}
     tie_word_embeddings: bool = False
     attention_bias: bool = False      # bias on the q, k and v projections
     eos_token_ids: tuple[int, ...] = ()

@@ -107,6 +107,18 @@ def _llama3_rope_scaling(reader, head_dim: int, theta: float) -> dict:
                          'are not supported')
     return scaling
 
+def _longrope_scaling(reader, original: int | None, attention_factor: float | None) -> dict:
+    "Phi-3's `longrope` `rope_scaling` from the file's `rope_factors_long` and `rope_factors_short` tensors."
+    factors = {t.name: [float(f) for f in np.array(t.data, dtype=np.float32).flatten()]
+               for t in reader.tensors if t.name.startswith('rope_factors_')}
+    if original is None or 'rope_factors_short.weight' not in factors:
+        raise ValueError('gguf: longrope factors need both lists (rope_factors_long, rope_factors_short) and the '
+                         'pretrained context (rope.scaling.original_context_length)')
+    scaling = {'rope_type': 'longrope', 'long_factor': factors['rope_factors_long.weight'],
+               'short_factor': factors['rope_factors_short.weight'], 'original_max_position_embeddings': original}
+    if attention_factor is not None: scaling['attention_factor'] = attention_factor
+    return scaling
+
 def gguf_hf_config(reader) -> dict:
     "A `config.json` (transformers' keys) for a GGUF file's model, from its metadata read as llama.cpp reads it."
     arch = _field(reader, 'general.architecture')
@@ -137,6 +149,10 @@ def gguf_hf_config(reader) -> dict:
         config['rope_scaling'] = {'rope_type': key('rope.scaling.type'), 'factor': key('rope.scaling.factor')}
     if 'rope_freqs.weight' in shapes:   # Llama 3.1 and 3.2: the scaling as per-frequency factors
         config['rope_scaling'] = _llama3_rope_scaling(reader, head_dim, config['rope_theta'])
+    if 'rope_factors_long.weight' in shapes:   # Phi-3's longrope: its two lists of divisors
+        config['rope_scaling'] = _longrope_scaling(reader, key('rope.scaling.original_context_length'),
+                                                   key('rope.scaling.attn_factor'))
+        config['original_max_position_embeddings'] = config['rope_scaling']['original_max_position_embeddings']
     if experts:   # llama.cpp renormalises the chosen experts' weights for both (Mixtral, Qwen3-MoE)
         config.update(num_local_experts=experts, num_experts=experts, num_experts_per_tok=key('expert_used_count'),
                       moe_intermediate_size=key('expert_feed_forward_length', key('feed_forward_length')),

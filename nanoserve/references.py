@@ -23,9 +23,13 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if residual is None else (out, residual)
 
 # %% ../nbs/05z_references.ipynb #3a21c0bd
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
-    "The `head_dim // 2` rotary frequencies, with `linear` or `llama3` scaling applied."
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None, long: bool = False) -> torch.Tensor:
+    "The `head_dim // 2` rotary frequencies, with `linear`, `llama3` or `longrope` scaling (its long factors if `long`)."
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    if scaling is not None and scaling['rope_type'] == 'longrope':
+        divisors = torch.tensor(scaling['long_factor' if long else 'short_factor'], dtype=torch.float32)
+        return 1.0 / (divisors * theta ** exponents)
+    inv_freq = 1.0 / theta ** exponents
     if scaling is None: return inv_freq
     if scaling['rope_type'] == 'linear': return inv_freq / scaling['factor']
     fields = ('factor', 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings')
@@ -38,8 +42,13 @@ def rope_cos_sin_cache(head_dim: int, max_positions: int, theta: float,
                        scaling: dict | None = None) -> torch.Tensor:
     "fp32 `[max_positions, head_dim]`: cos of every angle in the first half, sin in the second."
     positions = torch.arange(max_positions, dtype=torch.float32)
-    angles = torch.outer(positions, rope_inv_freq(head_dim, theta, scaling))
-    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+    if scaling is None or scaling['rope_type'] != 'longrope':
+        angles = torch.outer(positions, rope_inv_freq(head_dim, theta, scaling))
+        return torch.cat([angles.cos(), angles.sin()], dim=-1)
+    within = scaling['original_max_position_embeddings']   # positions rotated by the short factors, the rest by the long
+    angles = torch.cat([torch.outer(positions[:within], rope_inv_freq(head_dim, theta, scaling)),
+                        torch.outer(positions[within:], rope_inv_freq(head_dim, theta, scaling, long=True))])
+    return torch.cat([angles.cos(), angles.sin()], dim=-1) * scaling['attention_factor']
 
 def rope_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
              cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

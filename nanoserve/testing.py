@@ -30,8 +30,12 @@ _CORPUS = ("The quick brown fox jumps over the lazy dog. A small engine serves a
 
 _WINDOWS = dict(sliding_window=16)   # a window short enough for tests to run past it
 _GEMMA = dict(**_WINDOWS, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=4.0)
+_LONGROPE = dict(original_max_position_embeddings=64,   # Phi-3.5's scaling, a pretrained context tests stay within
+                 rope_scaling={'rope_type': 'longrope', 'short_factor': [1.0 + 0.05 * i for i in range(8)],
+                               'long_factor': [1.0 + 0.5 * i for i in range(8)]})
 TINY_FAMILIES = {   # a family's name (chapter 00) -> its small test shape beside the common one
-    'llama': {}, 'qwen2': {}, 'qwen3': dict(head_dim=32), 'mistral': _WINDOWS, 'phi3': _WINDOWS, 'olmo2': {},
+    'llama': {}, 'qwen2': {}, 'qwen3': dict(head_dim=32), 'mistral': _WINDOWS, 'phi3': dict(**_WINDOWS, **_LONGROPE),
+    'olmo2': {},
     'gemma2': dict(**_GEMMA, final_logit_softcapping=5.0),
     'gemma3_text': dict(**_GEMMA, layer_types=['sliding_attention', 'full_attention']),
     'mixtral': dict(**_WINDOWS, num_local_experts=4, num_experts_per_tok=2),
@@ -116,7 +120,9 @@ def _unsaid(arch: str, cfg: dict) -> list[str]:
     full_every = {'gemma2': 2, 'gemma3': 6}.get(arch)
     scaling = config.rope_scaling
     llama3 = scaling == {'rope_type': 'llama3', 'factor': scaling and scaling.get('factor'), **LLAMA3_ROPE}
-    unsaid = [f'rope scaling {scaling}'] if scaling and not (arch == 'llama' and llama3) else []   # llama3: rope_freqs
+    longrope = bool(scaling) and scaling['rope_type'] == 'longrope'
+    said = (arch == 'llama' and llama3) or (arch == 'phi3' and longrope)   # as rope_freqs, or rope_factors_long/short
+    unsaid = [f'rope scaling {scaling}'] if scaling and not said else []
     if config.sliding_windows and arch not in ('phi3', 'gemma2', 'gemma3'): unsaid.append('a sliding window')
     sliding = [bool(config.sliding_window(i)) for i in range(n)]
     if full_every and sliding != [(i + 1) % full_every > 0 for i in range(n)]:
@@ -145,6 +151,9 @@ def _write_metadata(writer, arch: str, cfg: dict, config: ModelConfig):
     writer.add_vocab_size(config.vocab_size)
     writer.add_rope_dimension_count(config.head_dim)
     if arch in ('phi3', 'gemma2', 'gemma3') and config.sliding_windows: writer.add_sliding_window(cfg['sliding_window'])
+    if config.rope_scaling and config.rope_scaling['rope_type'] == 'longrope':
+        writer.add_rope_scaling_orig_ctx_len(config.rope_scaling['original_max_position_embeddings'])
+        writer.add_rope_scaling_attn_factors(config.rope_scaling['attention_factor'])
     if arch == 'gemma2': writer.add_attn_logit_softcapping(config.attn_logit_softcap)
     if config.final_logit_softcap: writer.add_final_logit_softcapping(config.final_logit_softcap)
     if config.moe_layers:
@@ -219,10 +228,14 @@ def save_tiny_gguf(model_dir: str | Path,      # a directory with a tokenizer (`
         data = gguf.quants.quantize(np.ascontiguousarray(values), qtype)
         writer.add_tensor(gguf_name, data, raw_shape=values.shape if qtype.name in ('F32', 'F16') else None,
                           raw_dtype=qtype)
-    if config.rope_scaling:    # Llama 3's: per-frequency factors, as llama.cpp's converter stores them
+    scaling, f32 = config.rope_scaling, gguf.GGMLQuantizationType.F32
+    if scaling and scaling['rope_type'] == 'longrope':   # Phi-3's: the two lists of divisors
+        for which in ('long', 'short'):
+            writer.add_tensor(f'rope_factors_{which}.weight', np.array(scaling[f'{which}_factor'], np.float32), raw_dtype=f32)
+    elif scaling:    # Llama 3's: per-frequency factors, as llama.cpp's converter stores them
         theta, head_dim = config.rope_theta, config.head_dim
-        factors = rope_inv_freq(head_dim, theta) / rope_inv_freq(head_dim, theta, config.rope_scaling)
-        writer.add_tensor('rope_freqs.weight', factors.numpy(), raw_dtype=gguf.GGMLQuantizationType.F32)
+        factors = rope_inv_freq(head_dim, theta) / rope_inv_freq(head_dim, theta, scaling)
+        writer.add_tensor('rope_freqs.weight', factors.numpy(), raw_dtype=f32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
