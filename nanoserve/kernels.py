@@ -14,7 +14,7 @@ import triton.language as tl
 
 # %% auto #0
 __all__ = ['INTERPRET', 'DECODE_BLOCK_N', 'GPU_ARCHS', 'MODEL_SHAPES', 'ATTENTION_OPTIONS', 'rms_norm', 'rope', 'silu_and_mul',
-           'store_kv', 'decode_num_splits', 'decode_span', 'decode_attention', 'extend_attention',
+           'gelu_and_mul', 'store_kv', 'decode_num_splits', 'decode_span', 'decode_attention', 'extend_attention',
            'bench_decode_attention', 'kernel_launches', 'intercept_launches', 'capture_launches', 'compile_kernel',
            'assembled', 'occupancy', 'judged', 'check_kernels']
 
@@ -112,33 +112,45 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 # %% ../nbs/06_kernels.ipynb #348def6c
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr,
-                         n_rows, n_cols,
-                         stride_x, stride_o,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr,
+                        n_rows, n_cols,
+                        stride_x, stride_o,
+                        GELU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     gate_ptr = x_ptr + rows[:, None] * stride_x + cols[None, :]
     gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptr + n_cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    if GELU:   # tanh-approximated GELU: x (1 + tanh(z)) / 2 = x sigmoid(2 z), z = sqrt(2 / pi) (x + 0.044715 x^3)
+        act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+    else:
+        act = gate * tl.sigmoid(gate)
+    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    "Triton `silu_and_mul_ref`: `silu(x[..., :I]) * x[..., I:]`."
+def _act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
+    "`act(x[..., :I]) * x[..., I:]`, act SiLU or tanh-GELU."
     n_cols = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * n_cols).contiguous()
     out = torch.empty(x2.shape[0], n_cols, dtype=x.dtype, device=x.device)
     block_c = min(triton.next_power_of_2(n_cols), _ELEMENTS)
     block_r = min(_rows_per_program(block_c), triton.next_power_of_2(max(x2.shape[0], 1)))
     if x2.shape[0]:
-        _silu_and_mul_kernel[(triton.cdiv(x2.shape[0], block_r), triton.cdiv(n_cols, block_c))](
+        _act_and_mul_kernel[(triton.cdiv(x2.shape[0], block_r), triton.cdiv(n_cols, block_c))](
             x2, out,
             x2.shape[0], n_cols,
             x2.stride(0), out.stride(0),
-            BLOCK_R=block_r, BLOCK_C=block_c)
+            GELU=gelu, BLOCK_R=block_r, BLOCK_C=block_c)
     return out.view(*x.shape[:-1], n_cols)
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    "Triton `silu_and_mul_ref`: `silu(x[..., :I]) * x[..., I:]`."
+    return _act_and_mul(x, gelu=False)
+
+def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    "Triton `gelu_and_mul_ref`: `gelu_tanh(x[..., :I]) * x[..., I:]` (GeGLU)."
+    return _act_and_mul(x, gelu=True)
 
 # %% ../nbs/06_kernels.ipynb #cd021dd1
 @triton.jit
@@ -494,6 +506,7 @@ def kernel_launches(shapes: dict = MODEL_SHAPES, dtypes=(torch.bfloat16, torch.f
                       (label + ', residual', rms_norm, (x, w, 1e-6, x)),
                       (label, rope, (q, k, positions, cos_sin)),
                       (label, silu_and_mul, (gate_up,)),
+                      (label, gelu_and_mul, (gate_up,)),
                       (label, store_kv, (k, k, pool, pool, positions)),
                       (label, extend_attention, (q, k, k, pool, pool, table, rows, rows, rows, 0.1, 2048)),
                       (label + ', verify 5', extend_attention, (q, k, k, pool, pool, table, rows, rows, rows, 0.1, 5))]

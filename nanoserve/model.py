@@ -15,15 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .references import moe_ref, moe_route, rms_norm_ref, rope_cos_sin_cache, rope_ref, silu_and_mul_ref
+from .references import gelu_and_mul_ref, moe_ref, moe_route, rms_norm_ref, rope_cos_sin_cache, rope_ref
+from .references import silu_and_mul_ref
 
 # %% auto #0
 __all__ = ['TORCH_OPS', 'AttentionFn', 'LayersRunner', 'STACKED_PARAMS', 'HUB_ALLOW_PATTERNS', 'Ops', 'triton_ops',
            'default_weight_loader', 'ColumnParallelLinear', 'MergedColumnParallelLinear', 'QKVParallelLinear',
            'RowParallelLinear', 'VocabParallelEmbedding', 'ParallelLMHead', 'RMSNorm', 'AllHeadsRMSNorm',
-           'RotaryEmbedding', 'Attention', 'gelu_and_mul', 'MLP', 'FusedExperts', 'SparseMoeBlock', 'DecoderLayer',
-           'DecoderModel', 'DecoderForCausalLM', 'build_model', 'checkpoint_files', 'load_weights',
-           'resolve_model_path', 'load_model']
+           'RotaryEmbedding', 'Attention', 'MLP', 'FusedExperts', 'SparseMoeBlock', 'DecoderLayer', 'DecoderModel',
+           'DecoderForCausalLM', 'build_model', 'checkpoint_files', 'load_weights', 'resolve_model_path', 'load_model']
 
 # %% ../nbs/07_model.ipynb #e707e8a4
 class Ops(NamedTuple):
@@ -33,15 +33,16 @@ class Ops(NamedTuple):
     silu_and_mul: Callable
     linear: Callable            # `(x, weight, bias=None) -> x weight^T + bias`, as `F.linear`
     moe: Callable = moe_ref     # `(x, w13, w2, weights, ids)`: a mixture of experts' routed sum (chapter 06b)
+    gelu_and_mul: Callable = gelu_and_mul_ref   # GeGLU's activation (Gemma), as `silu_and_mul` is SwiGLU's
 
 TORCH_OPS = Ops(rms_norm_ref, rope_ref, silu_and_mul_ref, F.linear)   # any device: a model's default, and the reference
 
 @functools.cache
 def triton_ops() -> Ops:
     "Chapter 06's Triton kernels as a set of ops (GPU or interpreter); Triton is imported only when asked for."
-    from nanoserve.kernels import rms_norm, rope, silu_and_mul
+    from nanoserve.kernels import gelu_and_mul, rms_norm, rope, silu_and_mul
     from nanoserve.moe import fused_moe
-    return Ops(rms_norm, rope, silu_and_mul, F.linear, fused_moe)
+    return Ops(rms_norm, rope, silu_and_mul, F.linear, fused_moe, gelu_and_mul)
 
 # %% ../nbs/07_model.ipynb #c269e58e
 def _divide(n: int, d: int, what: str) -> int:
@@ -346,11 +347,6 @@ class Attention(nn.Module):
         self.rotary(q, k, positions)
         return self.o_proj(attn(q, k, v, self.layer_idx).reshape(T, H * D))
 
-def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    "GeGLU: `gelu_tanh(gate) * up` of `x = [gate | up]` (Gemma's MLP); the reference on every device."
-    gate, up = x.chunk(2, dim=-1)
-    return F.gelu(gate, approximate='tanh') * up
-
 class MLP(nn.Module):
     "The gated MLP: `down(act(gate(x)) * up(x))`, gate and up as one matmul; SiLU (SwiGLU) or tanh-GELU (GeGLU)."
     def __init__(self, config: ModelConfig, tp_rank: int = 0, tp_size: int = 1):
@@ -363,7 +359,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        act = self.ops.silu_and_mul(gate_up) if self.activation == 'silu' else gelu_and_mul(gate_up)
+        act = self.ops.silu_and_mul(gate_up) if self.activation == 'silu' else self.ops.gelu_and_mul(gate_up)
         return self.down_proj(act)
 
 # %% ../nbs/07_model.ipynb #07moe002
