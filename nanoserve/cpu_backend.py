@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from .model import ColumnParallelLinear, DecoderForCausalLM, FusedExperts, Ops, ParallelLMHead, RMSNorm
 from .model import RowParallelLinear
-from .quant import QuantizedWeight
+from .quant import QuantizedExperts, QuantizedWeight
 from .references import moe_cpu
 from .metadata import AttentionBackend, Extend, ForwardMeta, attend_extends, extends
 from .cpu_kernels import CPU_KERNELS_ENV, DecoderWeights, LayerWeights, PagedAttention, Panels, cpu_kernels
@@ -162,21 +162,31 @@ class PackedLinears:
         weights = {key: w for key, w in held.items() if _packable(w)}
         stacks = [m for m in model.modules() if isinstance(m, FusedExperts)]
         stacked = {id(w): w for m in stacks for w in (m.gate_up_proj, m.down_proj) if _packable(w)}
+        blocks = {id(w): w for m in stacks for w in (m.gate_up_proj, m.down_proj) if isinstance(w, QuantizedExperts)}
         shapes = Counter(tuple(w.shape) for w in weights.values())
         for w in stacked.values(): shapes[tuple(w.shape[1:])] += w.shape[0]
         self.product = product or (choose_product(dict(shapes)) if shapes else 'torch')
         # id(weight) -> (the weight, kept alive; the weight as the product takes it)
         self._packed = {key: (w, pack_for(self.product, w)) for key, w in weights.items()}
-        # id(stacked experts' weight) -> (the weight, kept alive; each expert's slice as the product takes it)
-        self._experts = {key: (w, [pack_for(self.product, expert) for expert in w]) for key, w in stacked.items()}
+        # id(stacked experts' weight) -> (the weight, kept alive; each expert's product, a function of its rows)
+        self._experts = {key: (w, [partial(multiply, self.product, packed=pack_for(self.product, e)) for e in w])
+                         for key, w in stacked.items()}
         quantized = [w for w in held.values() if isinstance(w, QuantizedWeight) and c_takes(w)]
+        taken = quantized + [w for stack in blocks.values() for w in stack.experts if c_takes(w)]
         # None when the model has no quantized weight the C product takes
-        self.quantized_product = quantized_product or (choose_quantized_product(quantized) if quantized else None)
+        self.quantized_product = quantized_product or (choose_quantized_product(taken) if taken else None)
         self._quantized: dict[int, tuple[QuantizedWeight, QuantizedLinear]] = {}   # id -> (weight, its record)
         if self.quantized_product == 'c':
             for w in quantized:
                 release_int4pack(w)
                 self._quantized[id(w)] = (w, pack_quantized(w))
+        for key, stack in blocks.items(): self._experts[key] = (stack, [self._quantized_linear(w) for w in stack.experts])
+
+    def _quantized_linear(self, weight: QuantizedWeight) -> Callable:
+        "`x -> F.linear(x, weight)` for an expert's blocks: the C product where it was chosen and takes them, else 07a's."
+        if self.quantized_product != 'c' or not c_takes(weight): return weight.linear
+        release_int4pack(weight)
+        return partial(linear_quantized_cpu, packed=pack_quantized(weight))
 
     def __len__(self) -> int: return len(self._packed) + len(self._experts) + len(self._quantized)
 
@@ -205,13 +215,13 @@ class PackedLinears:
         if packed is None or not fits or weight.requires_grad: return F.linear(x, weight, bias)
         return multiply(self.product, x, packed[1], bias)
 
-    def moe(self, x: torch.Tensor,        # [T, C]
-            w13: torch.Tensor,            # [E, 2I, C]: the stacked gate/up weights
-            w2: torch.Tensor,             # [E, C, I]: the stacked down weights
-            weights: torch.Tensor,        # fp32 [T, k]: the routing weights
-            ids: torch.Tensor,            # [T, k]: the experts
-           ) -> torch.Tensor:             # [T, C]
-        "`moe_cpu`, each expert's rows through the product, for packed experts and fp32 rows on the CPU."
+    def moe(self, x: torch.Tensor,                  # [T, C]
+            w13: torch.Tensor | QuantizedExperts,   # [E, 2I, C]: the stacked gate/up weights
+            w2: torch.Tensor | QuantizedExperts,    # [E, C, I]: the stacked down weights
+            weights: torch.Tensor,                  # fp32 [T, k]: the routing weights
+            ids: torch.Tensor,                      # [T, k]: the experts
+           ) -> torch.Tensor:                       # [T, C]
+        "`moe_cpu`, each expert's rows through its product, for packed experts and fp32 rows on the CPU."
         gate_up, down = self._experts.get(id(w13)), self._experts.get(id(w2))
         fits = x.dim() == 2 and x.dtype == torch.float32 and x.is_cpu and not x.requires_grad
         if gate_up is None or down is None or not fits: return moe_cpu(x, w13, w2, weights, ids)
@@ -223,8 +233,8 @@ class PackedLinears:
         start = 0
         for expert, rows in enumerate(rows_per_expert):
             if rows == 0: continue
-            h = silu_and_mul_cpu(multiply(self.product, pair_rows[start:start + rows], gate_up[1][expert]))
-            outputs[start:start + rows] = multiply(self.product, h, down[1][expert])
+            h = silu_and_mul_cpu(gate_up[1][expert](pair_rows[start:start + rows]))
+            outputs[start:start + rows] = down[1][expert](h)
             start += rows
         by_pair = torch.empty_like(outputs).index_copy_(0, order, outputs).view(num_tokens, top_k, x.shape[1])
         return (by_pair * weights.unsqueeze(-1)).sum(1)

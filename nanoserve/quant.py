@@ -14,7 +14,8 @@ from torch import nn
 
 # %% auto #0
 __all__ = ['GGUF_LAYOUTS', 'DEQUANTIZERS', 'FP8_MAX', 'BlockLayout', 'gguf_blocks', 'dequantize', 'quantize_int8',
-           'quantize_int4', 'quantize_fp8', 'QuantizedWeight', 'use_quantized_weight']
+           'quantize_int4', 'quantize_fp8', 'QuantizedWeight', 'use_quantized_weight', 'QuantizedExperts',
+           'use_quantized_experts']
 
 # %% ../nbs/07a_quant.ipynb #2b1fc69a
 class BlockLayout(NamedTuple):
@@ -303,3 +304,30 @@ def use_quantized_weight(layer: nn.Module, weight: QuantizedWeight) -> nn.Module
     del layer.weight   # a parameter's slot takes only a parameter: free it for the module
     layer.weight = weight
     return layer
+
+# %% ../nbs/07a_quant.ipynb #62c4dd36
+class QuantizedExperts(nn.Module):
+    "A mixture's stacked expert weights `[E, rows, cols]`, kept as one `QuantizedWeight` per expert."
+    def __init__(self, experts: list[QuantizedWeight]):
+        super().__init__()
+        shapes = {w.shape for w in experts}
+        if len(shapes) != 1: raise ValueError(f'experts must share one shape, got {sorted(shapes)}')
+        self.experts = nn.ModuleList(experts)
+        self.shape = (len(experts), *experts[0].shape)
+
+    def __len__(self) -> int: return len(self.experts)
+
+    def __getitem__(self, expert: int) -> torch.Tensor:
+        "Expert `expert`'s weights `[rows, cols]`, dequantized (fp32)."
+        return self.experts[expert].dequantize()
+
+    def extra_repr(self) -> str: return f'{self.shape[0]} experts of {self.experts[0].quant_type}'
+
+def use_quantized_experts(experts: nn.Module, name: str, weights: QuantizedExperts) -> nn.Module:
+    "Put `weights` in `experts` (chapter 07's `FusedExperts`) in place of its stacked parameter `name`."
+    held = getattr(experts, name)
+    if tuple(held.shape) != weights.shape:
+        raise ValueError(f'{name} holds experts of shape {tuple(held.shape)}, the quantized experts are {weights.shape}')
+    delattr(experts, name)   # a parameter's slot takes only a parameter: free it for the module
+    setattr(experts, name, weights)
+    return experts

@@ -13,10 +13,11 @@ import torch
 from torch import nn
 from .config import ARCHITECTURES, QUANTIZATIONS, ModelConfig, default_cache_dir
 from .references import rope_inv_freq
-from .model import ColumnParallelLinear, DecoderForCausalLM, RowParallelLinear, VocabParallelEmbedding
+from .model import ColumnParallelLinear, DecoderForCausalLM, FusedExperts, RowParallelLinear
+from .model import VocabParallelEmbedding
 from .model import _EXPERT, _checkpoint_names, _target, build_model, load_model, resolve_model_path
 from .quant import GGUF_LAYOUTS, QuantizedWeight, dequantize, gguf_blocks, quantize_fp8, quantize_int4, quantize_int8
-from .quant import use_quantized_weight
+from .quant import QuantizedExperts, use_quantized_experts, use_quantized_weight
 
 log = logging.getLogger(__name__)
 
@@ -341,6 +342,27 @@ def _read_part(file_bytes: np.ndarray, source: tuple[GGUFTensor, slice | None], 
     offset = config.family.norm_offset    # llama.cpp's converter stores a Gemma norm's weight with its offset added
     return values - offset if offset and checkpoint_name.endswith('norm.weight') else values
 
+def _quantized_experts(experts: FusedExperts, name: str, parts: list) -> QuantizedExperts | None:
+    "A stack's experts as one `QuantizedWeight` each, from their blocks (gate rows, then up); None where it cannot."
+    kinds = {values.quant_type if isinstance(values, Blocks) else None for _, values in parts}
+    on_cpu = getattr(experts, name).device.type == 'cpu'
+    if len(kinds) != 1 or None in kinds or not on_cpu or experts.tp_size > 1: return None   # floats, as loaded
+    I, C = experts.intermediate_size, experts.hidden_size
+    rows, cols = (I, C) if name == 'gate_up_proj' else (C, I)
+    pieces = {}   # expert -> {part: its blocks}
+    for shard_id, blocks in parts:
+        expert, part = shard_id if isinstance(shard_id, tuple) else (shard_id, 0)
+        if blocks.shape != (rows, cols):
+            raise ValueError(f'expert {expert}: blocks of shape {blocks.shape}, the model takes {(rows, cols)}')
+        pieces.setdefault(expert, {})[part] = blocks
+    quant_type = kinds.pop()
+    weights = []
+    for expert in range(experts.num_experts):
+        stacked = [pieces[expert][part] for part in sorted(pieces[expert])]
+        fields = {field: torch.cat([b.fields[field] for b in stacked]).contiguous() for field in stacked[0].fields}
+        weights.append(QuantizedWeight(quant_type, fields, dtype=getattr(experts, name).dtype))
+    return QuantizedExperts(weights)
+
 def load_gguf(model: DecoderForCausalLM, model_dir: str | Path):
     "Load a GGUF model directory's file into `model`: block-quantized weights on their own blocks, the rest as floats."
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
@@ -361,7 +383,12 @@ def load_gguf(model: DecoderForCausalLM, model_dir: str | Path):
             values = _read_part(file_bytes, source, checkpoint_name, arch_name, config)
             parts.append((_target(checkpoint_name)[1], values))
         if missing: continue
-        try: _load_parts(param, parts, holders.get(id(param), []))
+        owner_name, _, name = param_name.rpartition('.')
+        owner = model.get_submodule(owner_name)
+        try:
+            quantized = _quantized_experts(owner, name, parts) if isinstance(owner, FusedExperts) else None
+            if quantized is not None: use_quantized_experts(owner, name, quantized)   # a CPU keeps experts as blocks
+            else: _load_parts(param, parts, holders.get(id(param), []))
         except ValueError as e: raise ValueError(f'gguf: {param_name}: {e}') from e
     if missing:
         raise ValueError(f'gguf: {gguf_file_of(model_dir).name} does not fit a {config.architecture} model of this config: '

@@ -163,6 +163,8 @@ def moe_cpu(x: torch.Tensor,        # [T, C] bf16, fp16 or fp32, on the CPU
             ids: torch.Tensor,      # [T, k]: the experts
            ) -> torch.Tensor:       # [T, C] in x's dtype
     "`moe_ref` on the CPU: the pairs sorted by expert, then torch's grouped GEMM for gate/up and for down."
+    if not (isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor)):   # experts kept as blocks (chapter 07a)
+        return moe_ref(x, w13, w2, weights, ids)                                # each expert dequantized in turn
     top_k = ids.shape[1]
     flat = ids.flatten().long()
     order = torch.argsort(flat, stable=True)

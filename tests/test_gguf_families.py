@@ -106,3 +106,20 @@ def test_llama3_rope_factors_are_read_as_llama3_scaling(tmp_path, monkeypatch):
     original = json.loads((hf_dir / 'config.json').read_text())
     assert ModelConfig.from_dict(served).rope_scaling == ModelConfig.from_dict(original).rope_scaling
     assert engine_greedy(gguf_file) == hf_greedy_prompts(hf_dir)
+
+@pytest.mark.parametrize('family, quant_type, merge', [('qwen3_moe', 'Q4_0', True), ('mixtral', 'Q8_0', True),
+                                                       ('mixtral', 'Q4_1', False)])
+def test_quantized_experts_stay_blocks(family, quant_type, merge, tmp_path, monkeypatch):
+    "A mixture's quantized experts load on a CPU as blocks, one `QuantizedWeight` an expert, not as fp32 stacks."
+    from nanoserve.quant import QuantizedExperts
+    monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path / 'cache'))
+    shape = {'qwen3_moe': dict(moe_intermediate_size=64), 'mixtral': dict(sliding_window=None, intermediate_size=96)}
+    hf_dir = save_tiny_model(tmp_path / family, family, seed=1, tokenizer=True, **shape[family])
+    gguf_file = save_tiny_gguf(hf_dir, tmp_path / f'{family}.gguf', quant_type, merge_experts=merge)
+    with Engine(model=str(gguf_file), device='cpu', page_size=4, num_pages=256) as engine:
+        experts = [layer.mlp.experts for layer in engine.worker.model.model.layers]
+        stacks = [getattr(e, name) for e in experts for name in ('gate_up_proj', 'down_proj')]
+        assert all(isinstance(s, QuantizedExperts) and s.experts[0].quant_type == quant_type for s in stacks)
+        assert not [name for name, _ in engine.worker.model.named_parameters() if '.experts.' in name]
+        tokens = [r.output_ids for r in engine.generate(PROMPTS, GREEDY)]
+    assert tokens == hf_greedy_prompts(rounded_copy(hf_dir, tmp_path / 'rounded', quant_type))
