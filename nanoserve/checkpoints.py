@@ -45,7 +45,10 @@ def _write_conversion(gguf_file: Path, dest: Path, dtype: str):
     if arch not in ARCHITECTURES:
         raise ValueError(f"gguf: {gguf_file.name} holds a {arch}, which nanoserve does not serve "
                          f"(supported: {', '.join(ARCHITECTURES)})")
-    tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=model)['tensors']
+    try: tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=model)['tensors']
+    except (NotImplementedError, ValueError) as e:   # its reader knows fewer of llama.cpp's families than 07c's
+        raise ValueError(f"convert: transformers' GGUF reader cannot convert {gguf_file.name} ({arch}): {e}; "
+                         f'nanoserve serves the file as it is: nanoserve serve {gguf_file}') from e
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if config.tie_word_embeddings: expected.pop('lm_head.weight', None)   # the output layer is the embedding
     got = {k: tuple(v.shape) for k, v in tensors.items()}
@@ -59,7 +62,7 @@ def _write_conversion(gguf_file: Path, dest: Path, dtype: str):
     GenerationConfig.from_model_config(config).save_pretrained(dest)
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(dest)
 
-def convert_gguf(gguf_file: str | Path,       # a GGUF checkpoint of a Llama, Qwen2 or Qwen3 model
+def convert_gguf(gguf_file: str | Path,       # a GGUF of a family transformers' GGUF reader knows (Llama, Qwen, Phi-3, Gemma)
                  out_dir: str | Path,         # the model directory to write (created; reused when complete)
                  dtype: str = 'bfloat16',     # dtype of the saved weights: 'bfloat16', 'float16' or 'float32'
                  verbose: bool = False,       # report on stderr (start, progress, time); silent otherwise
