@@ -62,7 +62,7 @@ def _write_conversion(gguf_file: Path, dest: Path, dtype: str):
     GenerationConfig.from_model_config(config).save_pretrained(dest)
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(dest)
 
-def convert_gguf(gguf_file: str | Path,       # a GGUF of a family transformers' GGUF reader knows (Llama, Qwen, Phi-3, Gemma)
+def convert_gguf(gguf_file: str | Path,       # a GGUF of a family transformers' reader knows (Llama, Qwen, Phi-3, ...)
                  out_dir: str | Path,         # the model directory to write (created; reused when complete)
                  dtype: str = 'bfloat16',     # dtype of the saved weights: 'bfloat16', 'float16' or 'float32'
                  verbose: bool = False,       # report on stderr (start, progress, time); silent otherwise
