@@ -327,7 +327,7 @@ def use_quantized_experts(experts: nn.Module, name: str, weights: QuantizedExper
     "Put `weights` in `experts` (chapter 07's `FusedExperts`) in place of its stacked parameter `name`."
     held = getattr(experts, name)
     if tuple(held.shape) != weights.shape:
-        raise ValueError(f'{name} holds experts of shape {tuple(held.shape)}, the quantized experts are {weights.shape}')
+        raise ValueError(f'{name} holds experts of shape {tuple(held.shape)}, the quantized ones are {weights.shape}')
     delattr(experts, name)   # a parameter's slot takes only a parameter: free it for the module
     setattr(experts, name, weights)
     return experts
