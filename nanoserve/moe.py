@@ -101,6 +101,11 @@ def _moe_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, sorted_pairs:
         DOT_TYPE=tl.float32 if INTERPRET else _DOT_TYPES[a.dtype], PRECISION='ieee',
         num_warps=num_warps, num_stages=num_stages)
 
+def _stacked(experts, dtype: torch.dtype) -> torch.Tensor:
+    "A stack of experts as one tensor: itself, or (experts kept as blocks, chapter 07a) each expert dequantized."
+    if isinstance(experts, torch.Tensor): return experts
+    return torch.stack([experts[e] for e in range(len(experts))]).to(dtype)
+
 def fused_moe(x: torch.Tensor,        # [T, C] bf16, fp16 or fp32
               w13: torch.Tensor,      # [E, 2I, C]: gate_proj rows [0, I), up_proj rows [I, 2I)
               w2: torch.Tensor,       # [E, C, I]: down_proj
@@ -108,6 +113,7 @@ def fused_moe(x: torch.Tensor,        # [T, C] bf16, fp16 or fp32
               ids: torch.Tensor,      # int32 [T, k]: the experts
              ) -> torch.Tensor:       # [T, C] in x's dtype
     "`moe_ref` in Triton: pairs sorted by expert, a grouped GEMM for gate/up, SiLU-and-multiply, one for down, a sum."
+    w13, w2 = _stacked(w13, x.dtype), _stacked(w2, x.dtype)
     (T, C), (E, two_i, _), (num_pairs, top_k) = x.shape, w13.shape, (ids.numel(), ids.shape[1])
     assert w13.shape == (E, two_i, C) and w2.shape == (E, C, two_i // 2) and weights.shape == ids.shape
     assert x.dtype == w13.dtype == w2.dtype and x.stride(-1) == w13.stride(-1) == w2.stride(-1) == 1
