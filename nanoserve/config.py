@@ -75,6 +75,7 @@ def _rope(d: dict, layer_type: str | None = None) -> tuple[float, dict | None]:
     theta = float(params.pop('rope_theta', d.get('rope_theta', 10000.0)))
     params.update(scaling)
     rope_type = params.pop('rope_type', params.pop('type', 'default'))
+    if rope_type == 'su': rope_type = 'longrope'   # LongRoPE's first name, in early Phi-3 128k configs
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_scaling: rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
     partial = params.get('partial_rotary_factor', d.get('partial_rotary_factor', 1.0))
