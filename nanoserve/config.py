@@ -78,8 +78,8 @@ def _rope(d: dict, layer_type: str | None = None) -> tuple[float, dict | None]:
     if rope_type == 'su': rope_type = 'longrope'   # LongRoPE's first name, in early Phi-3 128k configs
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_scaling: rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
-    partial = params.get('partial_rotary_factor', d.get('partial_rotary_factor', 1.0))
-    if partial != 1.0:
+    partial = params.get('partial_rotary_factor', d.get('partial_rotary_factor'))
+    if partial not in (None, 1, 1.0):
         raise ValueError(f'partial_rotary_factor: rotary embedding on a part ({partial}) of each head is not supported')
     if rope_type == 'default': return theta, None
     if rope_type == 'longrope': return theta, _longrope(d, params)
@@ -95,17 +95,33 @@ def _longrope(d: dict, params: dict) -> dict:
     missing = [k for k in ('short_factor', 'long_factor') if k not in params]
     if original is None: missing.append('original_max_position_embeddings')
     if missing: raise ValueError(f"rope_scaling: longrope scaling needs {', '.join(missing)}")
+    whole = isinstance(original, (int, float)) and not isinstance(original, bool) and float(original).is_integer()
+    if not whole or original < 1:
+        raise ValueError(f'rope_scaling: longrope original_max_position_embeddings must be a positive integer, '
+                         f'got {original!r}')
+    original = int(original)
     half = (d.get('head_dim') or d['hidden_size'] // d['num_attention_heads']) // 2
-    for name in ('short_factor', 'long_factor'):
-        if len(params[name]) != half:
-            raise ValueError(f'rope_scaling: longrope {name} has {len(params[name])} factors, one per rotary '
+    lists = {name: _positive_floats(params[name], f'longrope {name}') for name in ('short_factor', 'long_factor')}
+    for name, factors in lists.items():
+        if len(factors) != half:
+            raise ValueError(f'rope_scaling: longrope {name} has {len(factors)} factors, one per rotary '
                              f'frequency ({half}) is needed')
-    factor = params.get('factor') or d.get('max_position_embeddings', original) / original
+    [factor] = _positive_floats([params.get('factor') or d.get('max_position_embeddings', original) / original],
+                                'longrope factor')
     attention = params.get('attention_factor')
-    if attention is None: attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
-    return {'rope_type': 'longrope', 'short_factor': [float(f) for f in params['short_factor']],
-            'long_factor': [float(f) for f in params['long_factor']],
-            'original_max_position_embeddings': int(original), 'attention_factor': float(attention)}
+    if attention is None:
+        stretched = factor > 1 and original > 1
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if stretched else 1.0
+    [attention] = _positive_floats([attention], 'longrope attention_factor')
+    return {'rope_type': 'longrope', **lists, 'original_max_position_embeddings': original, 'attention_factor': attention}
+
+def _positive_floats(values, what: str) -> list[float]:
+    "`values` as floats, each finite and above 0; a ValueError naming `what` otherwise."
+    try: floats = [float(v) for v in values]
+    except (TypeError, ValueError): raise ValueError(f'rope_scaling: {what} must be a list of numbers') from None
+    if not all(math.isfinite(f) and f > 0 for f in floats):
+        raise ValueError(f'rope_scaling: {what} must be finite and above 0, got {values}')
+    return floats
 
 def _layer_types(d: dict, family: Family) -> list[str]:
     "Each layer's attention, 'sliding_attention' or 'full_attention': as `layer_types` lists, or each family's rule."

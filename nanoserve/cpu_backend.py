@@ -180,12 +180,13 @@ class PackedLinears:
             for w in quantized:
                 release_int4pack(w)
                 self._quantized[id(w)] = (w, pack_quantized(w))
+        c_taken = {id(w) for w in taken}
         for key, stack in blocks.items():
-            self._experts[key] = (stack, [self._quantized_linear(w) for w in stack.experts])
+            self._experts[key] = (stack, [self._quantized_linear(w, id(w) in c_taken) for w in stack.experts])
 
-    def _quantized_linear(self, weight: QuantizedWeight) -> Callable:
+    def _quantized_linear(self, weight: QuantizedWeight, c_takes_it: bool) -> Callable:
         "`x -> F.linear(x, weight)` for an expert's blocks: the C product where chosen and it takes them, else 07a's."
-        if self.quantized_product != 'c' or not c_takes(weight): return weight.linear
+        if self.quantized_product != 'c' or not c_takes_it: return weight.linear
         release_int4pack(weight)
         return partial(linear_quantized_cpu, packed=pack_quantized(weight))
 

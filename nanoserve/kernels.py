@@ -112,6 +112,12 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 # %% ../nbs/06_kernels.ipynb #348def6c
 @triton.jit
+def _sigmoid(z):
+    "1 / (1 + e^-z) from e^-|z|, which cannot overflow however large |z| is."
+    e = tl.exp(-tl.abs(z))
+    return tl.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+@triton.jit
 def _act_and_mul_kernel(x_ptr, out_ptr,
                         n_rows, n_cols,
                         stride_x, stride_o,
@@ -123,9 +129,9 @@ def _act_and_mul_kernel(x_ptr, out_ptr,
     gate = tl.load(gate_ptr, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gate_ptr + n_cols, mask=mask, other=0.0).to(tl.float32)
     if GELU:   # tanh-approximated GELU: x (1 + tanh(z)) / 2 = x sigmoid(2 z), z = sqrt(2 / pi) (x + 0.044715 x^3)
-        act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
+        act = gate * _sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
     else:
-        act = gate * tl.sigmoid(gate)
+        act = gate * _sigmoid(gate)
     act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -35,6 +35,8 @@ def main(paths):
     for p in paths:
         nb = read_nb(p)
         cwd = os.getcwd(); os.chdir(p.parent)
+        for cell in nb.cells:   # a cell that prints nothing now must not keep what an earlier run printed
+            if not _skip(flags)(cell): cell.outputs = []
         try: CaptureShell(p).run_all(nb, exc_stop=True, preproc=_skip(flags))
         finally: os.chdir(cwd)
         write_nb(nb, p)
